@@ -1,0 +1,30 @@
+# The two commands a reader needs: `make book` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: book test venv chromium clean
+
+book: $(STAMP)
+	$(BIN)/python tools/build_book.py
+
+test: $(STAMP) chromium
+	$(BIN)/python -m pytest tests
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
+	touch $(STAMP)
+
+# The browser check drives Debian's Chromium through Playwright (no `playwright install`).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser check"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+clean:
+	rm -rf _build runs

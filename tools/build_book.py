@@ -1,0 +1,182 @@
+"""Execute every notebook in _toc.yml with papermill, then build the HTML book.
+
+    python tools/build_book.py                 # the book: default parameters, into _build/book
+    python tools/build_book.py --quick         # the test configuration (QUICK=True), into _build/quick
+
+Notebook sources in git carry no outputs. Each one is executed into a staging
+copy of the book, with its own folder as the working directory, and Jupyter
+Book builds the HTML from that copy with execution switched off and every
+warning treated as an error. A notebook is executed again only when its source,
+the helper module, or a companion script it names has changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+STAGED_TOP_LEVEL = ["_config.yml", "_toc.yml", "book", "scripts"]  # scripts: for literalinclude listings
+
+
+class BuildError(Exception):
+    pass
+
+
+def toc_entries(toc_path: Path) -> list[str]:
+    """Every ``root`` and ``file`` entry of a Jupyter Book table of contents, in order."""
+    toc = yaml.safe_load(toc_path.read_text())
+    entries = [toc["root"]]
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "file" in node:
+                entries.append(node["file"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk({k: v for k, v in toc.items() if k != "root"})
+    return entries
+
+
+def resolve_entry(entry: str, root: Path) -> Path:
+    base = root / entry
+    for candidate in (base, base.with_suffix(".ipynb"), base.with_suffix(".md")):
+        if candidate.is_file():
+            return candidate
+    raise BuildError(f"_toc.yml names {entry!r}, but neither {entry}.ipynb nor {entry}.md exists")
+
+
+def toc_notebooks(root: Path) -> list[Path]:
+    return [p for p in (resolve_entry(e, root) for e in toc_entries(root / "_toc.yml")) if p.suffix == ".ipynb"]
+
+
+def fingerprint(notebook: Path, parameters: dict, scripts: Path) -> str:
+    """Hash of what an executed notebook depends on: itself, its parameters, the scripts it names."""
+    text = notebook.read_text()
+    digest = hashlib.sha256(text.encode())
+    digest.update(json.dumps(parameters, sort_keys=True).encode())
+    for script in sorted(scripts.glob("*.py")):
+        if script.name == "common.py" or script.name in text:
+            digest.update(script.name.encode() + script.read_bytes())
+    return digest.hexdigest()
+
+
+def execute(notebook: Path, target: Path, parameters: dict, cell_timeout: int, root: Path) -> None:
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        papermill.execute_notebook(
+            str(notebook),
+            str(target),
+            parameters=parameters,
+            kernel_name="python3",
+            cwd=str(notebook.parent),
+            execution_timeout=cell_timeout,
+            progress_bar=False,
+            log_output=False,
+        )
+    except PapermillExecutionError as err:
+        raise BuildError(
+            f"{notebook.relative_to(root)}: cell {err.exec_count} raised {err.ename}: {err.evalue.strip()}\n"
+            f"  (the executed copy with the traceback is {target})"
+        ) from None
+    except Exception as err:  # kernel death, cell timeout, bad parameters
+        message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise BuildError(f"{notebook.relative_to(root)}: execution failed: {type(err).__name__}: {message}") from None
+
+
+def stage_and_execute(
+    root: Path, out: Path, parameters: dict, cell_timeout: int, force: bool
+) -> list[tuple[str, str, float]]:
+    staging = out / "source"
+    staging.mkdir(parents=True, exist_ok=True)
+    for name in STAGED_TOP_LEVEL:
+        src, dst = root / name, staging / name
+        if src.is_dir():
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+        else:
+            shutil.copy2(src, dst)
+
+    stamps_path = out / "fingerprints.json"
+    stamps = json.loads(stamps_path.read_text()) if stamps_path.exists() else {}
+    report = []
+    for notebook in toc_notebooks(root):
+        rel = notebook.relative_to(root).as_posix()
+        target = staging / rel
+        stamp = fingerprint(notebook, parameters, root / "scripts")
+        if not force and stamps.get(rel) == stamp and target.exists():
+            report.append((rel, "skipped (unchanged)", 0.0))
+            continue
+        print(f"executing {rel} ...", flush=True)
+        stamps.pop(rel, None)
+        start = time.perf_counter()
+        execute(notebook, target, parameters, cell_timeout, root)
+        report.append((rel, "executed", time.perf_counter() - start))
+        stamps[rel] = stamp
+        stamps_path.write_text(json.dumps(stamps, indent=1))
+    return report
+
+
+def build_html(out: Path) -> Path:
+    command = ["jupyter-book", "build", str(out / "source"), "--path-output", str(out),
+               "--warningiserror", "--nitpick", "--keep-going"]
+    jb = Path(sys.executable).with_name("jupyter-book")
+    command[0] = str(jb) if jb.exists() else command[0]
+    print("$ " + " ".join(command), flush=True)
+    done = subprocess.run(command, cwd=out)
+    if done.returncode != 0:
+        raise BuildError(f"jupyter-book build failed (exit {done.returncode}); its warnings are above")
+    return out / "_build" / "html" / "index.html"
+
+
+def print_table(report: list[tuple[str, str, float]]) -> None:
+    width = max(len(r[0]) for r in report)
+    print(f"\n{'notebook'.ljust(width)}  {'status':<20}  seconds")
+    for rel, status, seconds in report:
+        shown = f"{seconds:7.1f}" if seconds else f"{'-':>7}"
+        print(f"{rel.ljust(width)}  {status:<20}  {shown}")
+    print(f"{'total'.ljust(width)}  {'':<20}  {sum(r[2] for r in report):7.1f}\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="run notebooks with QUICK=True (the test configuration)")
+    parser.add_argument("--out", type=Path, help="output folder (default: _build/book, or _build/quick with --quick)")
+    parser.add_argument("--force", action="store_true", help="re-execute every notebook, changed or not")
+    parser.add_argument("--cell-timeout", type=int, default=600, help="seconds one cell may run (default 600)")
+    parser.add_argument("--no-html", action="store_true", help="execute the notebooks only")
+    parser.add_argument("--root", type=Path, default=REPO, help="the book's source folder (default: this repository)")
+    args = parser.parse_args()
+    root = args.root.resolve()
+    out = (args.out or root / "_build" / ("quick" if args.quick else "book")).resolve()
+    parameters = {"QUICK": True} if args.quick else {}
+    try:
+        if not (root / "_toc.yml").is_file():
+            raise BuildError(f"no _toc.yml in {root}")
+        report = stage_and_execute(root, out, parameters, args.cell_timeout, args.force)
+        print_table(report)
+        if not args.no_html:
+            index = build_html(out)
+            print(f"\nThe book is at {index}")
+    except BuildError as err:
+        print(f"build_book: error: {err}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
