@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -357,8 +358,7 @@ def launch_torchrun(
     script_path = SCRIPTS_DIR / script
     if not script_path.exists():
         raise FileNotFoundError(f"no companion script {script_path}")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    launcher = [find_torchrun()]
     if torchrun_args is None:
         torchrun_args = ["--standalone", f"--nproc_per_node={nproc}"]
     args = [str(a) for a in args]
@@ -370,9 +370,8 @@ def launch_torchrun(
         args += ["--metrics", metrics_path]
     command = [*launcher, *torchrun_args, str(script_path), *args]
 
-    shown = ["torchrun", *torchrun_args, f"scripts/{script}", *[a for a in args if a != metrics_path]]
-    if metrics:
-        shown = shown[:-1] + ["runs/metrics.jsonl"]
+    shown = ["torchrun", *torchrun_args, os.path.relpath(script_path, REPO_ROOT),
+             *[os.path.relpath(a, REPO_ROOT) if a == metrics_path else a for a in args]]
     if not quiet:
         print("$ " + shlex.join(shown), flush=True)
 
@@ -392,6 +391,7 @@ def launch_torchrun(
         start_new_session=True,  # its own process group, so we can kill agent and workers together
     )
     lines: list[str] = []
+    agent_filter = AgentTracebackFilter()
     timed_out = False
     try:
         import selectors
@@ -411,9 +411,10 @@ def launch_torchrun(
             line = proc.stdout.readline()
             if not line:
                 break
-            lines.append(line)
-            if not quiet:
-                print(line, end="", flush=True)
+            for shown_line in agent_filter.feed(line):
+                lines.append(shown_line)
+                if not quiet:
+                    print(shown_line, end="", flush=True)
     except KeyboardInterrupt:
         _kill_group(proc)
         raise
@@ -434,6 +435,48 @@ def launch_torchrun(
     if check and proc.returncode != 0:
         raise RuntimeError(f"{script} exited with status {proc.returncode}; its output is above")
     return result
+
+
+class AgentTracebackFilter:
+    """Drop the torchrun agent's own Python traceback when a worker fails.
+
+    When any worker exits non-zero, torchrun raises ChildFailedError and prints
+    a dozen lines of its *own* call stack before the useful failure summary.
+    That stack says nothing about the reader's program and buries the worker's
+    one-line error, so it is replaced by one line; workers' output is untouched.
+    """
+
+    def __init__(self):
+        self.pending: str | None = None
+        self.skipping = False
+
+    def feed(self, line: str) -> list[str]:
+        if self.skipping:
+            if "ChildFailedError:" in line and not line.startswith(" "):  # the exception line ends the stack
+                self.skipping = False
+                return ["torchrun: a worker failed (the launcher's own stack trace is omitted); summary:\n"]
+            return []
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            if "torchrun" in line or "torch/distributed/run.py" in line:
+                self.skipping = True
+                return []
+            return [pending, line]
+        if line.startswith("Traceback (most recent call last):"):
+            self.pending = line
+            return []
+        return [line]
+
+
+def find_torchrun() -> str:
+    """The torchrun that belongs to this Python (the venv's), else the first on PATH."""
+    beside = Path(sys.executable).with_name("torchrun")
+    found = str(beside) if beside.exists() else shutil.which("torchrun")
+    if not found:
+        raise FileNotFoundError(
+            f"torchrun not found beside {sys.executable} or on PATH: install torch into this environment (make venv)"
+        )
+    return found
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(REPO / "tools"))
 
 BIN = Path(sys.executable).parent
 

@@ -1,0 +1,87 @@
+"""Open every page of the built book in a real headless Chromium, served over local HTTP."""
+
+import functools
+import http.server
+import shutil
+import threading
+
+import pytest
+
+from build_book import toc_entries
+from support import REPO
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+# Console messages the theme is known to emit that say nothing about our pages. Keep this short.
+KNOWN_CONSOLE_NOISE = (
+    # sphinx-thebe 0.3.1 adds its inline config script twice per page under jupyter-book 1.0.4;
+    # the second `const` declaration fails. Thebe (live code) is not used by this book.
+    "Identifier 'THEBE_JS_URL' has already been declared",
+    # pydata-sphinx-theme finds no saved light/dark choice in a fresh browser profile and says so.
+    "Got invalid theme mode",
+)
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # CI runs as root, where Chromium's sandbox refuses to start
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",  # no network here: stop Chromium phoning home
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(quick_book):
+    html = quick_book / "_build" / "html"
+    handler = functools.partial(QuietHandler, directory=str(html))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.mark.parametrize("entry", toc_entries(REPO / "_toc.yml"))
+def test_page_renders_in_a_browser(server, browser, entry):
+    page = browser.new_page()
+    console_errors, failed, external_failed = [], [], []
+    page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
+    page.on("pageerror", lambda e: console_errors.append(str(e)))
+    page.on("requestfailed", lambda r: (failed if r.url.startswith(server) else external_failed).append(r.url))
+    page.on("response", lambda r: r.url.startswith(server) and r.status >= 400 and failed.append(f"{r.status} {r.url}"))
+
+    response = page.goto(f"{server}/{entry}.html", wait_until="load")
+    assert response is not None and response.ok
+    page.wait_for_load_state("networkidle")
+
+    assert page.locator("main h1").first.inner_text().strip(), "the page has no heading"
+    broken = page.evaluate(
+        "Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
+    )
+    assert broken == [], f"images that did not load: {broken}"
+    assert failed == [], f"local requests that failed: {failed}"
+    noise = KNOWN_CONSOLE_NOISE
+    if external_failed:
+        # The theme loads MathJax from a CDN; without a network that request fails, and Chromium logs
+        # it. Only external requests may fail: every local one was checked above.
+        noise += ("Failed to load resource: net::ERR_NAME_NOT_RESOLVED",)
+    unexpected = [m for m in console_errors if not any(n in m for n in noise)]
+    assert unexpected == [], f"console errors: {unexpected}"
+    page.close()

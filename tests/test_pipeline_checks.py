@@ -1,0 +1,168 @@
+"""Each check of the pipeline fails when its property breaks: fed a bad input, it says so."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from check_book import executed_problems, html_problems, source_problems
+from common import launch_torchrun
+from support import REPO
+
+KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+
+
+def write_notebook(path, *code, kernel=KERNEL, parameters=True):
+    cells = [new_markdown_cell("# A page")]
+    if parameters:
+        cells.append(new_code_cell("QUICK = False", metadata={"tags": ["parameters"]}))
+    cells += [new_code_cell(c) for c in code]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(new_notebook(cells=cells, metadata=kernel), str(path))
+    return path
+
+
+# --- source checks ---------------------------------------------------------------------------
+
+def test_source_check_accepts_a_clean_notebook(tmp_path):
+    assert source_problems(write_notebook(tmp_path / "ok.ipynb", "x = 1")) == []
+
+
+def test_source_check_rejects_outputs(tmp_path):
+    path = write_notebook(tmp_path / "dirty.ipynb", "print(1)")
+    nb = nbformat.read(str(path), as_version=4)
+    nb.cells[-1].outputs = [new_output("stream", name="stdout", text="1\n")]
+    nb.cells[-1].execution_count = 1
+    nbformat.write(nb, str(path))
+    assert any("outputs" in p for p in source_problems(path))
+
+
+def test_source_check_rejects_missing_parameters_cell_and_wrong_kernel(tmp_path):
+    other = {"kernelspec": {"name": "julia-1.9", "display_name": "Julia", "language": "julia"}}
+    problems = source_problems(write_notebook(tmp_path / "bad.ipynb", "x = 1", kernel=other, parameters=False))
+    assert any("parameters" in p for p in problems)
+    assert any("kernelspec" in p for p in problems)
+
+
+# --- executed-output checks -----------------------------------------------------------------
+
+def test_executed_check_finds_stored_errors_and_tracebacks(tmp_path):
+    path = write_notebook(tmp_path / "ran.ipynb", "1/0", "print('boom')")
+    nb = nbformat.read(str(path), as_version=4)
+    nb.cells[-2].outputs = [new_output("error", ename="ZeroDivisionError", evalue="division by zero", traceback=[])]
+    nb.cells[-1].outputs = [new_output("stream", name="stderr",
+                                       text="Traceback (most recent call last):\n  File 'x'\nValueError\n")]
+    nbformat.write(nb, str(path))
+    problems = executed_problems(path)
+    assert len(problems) == 2
+    assert "ZeroDivisionError" in problems[0] and "traceback" in problems[1]
+
+
+# --- HTML checks ----------------------------------------------------------------------------
+
+def test_html_check_finds_missing_pages_and_images(tmp_path):
+    (tmp_path / "book").mkdir()
+    (tmp_path / "book" / "intro.html").write_text(
+        '<html><head><title>Intro</title></head><body><img src="../_images/there.png">'
+        '<img src="../_images/missing.png"></body></html>')
+    (tmp_path / "_images").mkdir()
+    (tmp_path / "_images" / "there.png").write_bytes(b"png")
+    problems = html_problems(tmp_path, ["book/intro", "book/setup"])
+    assert len(problems) == 2
+    assert any("missing.png" in p for p in problems)
+    assert any("book/setup" in p for p in problems)
+
+
+# --- the builder ----------------------------------------------------------------------------
+
+def make_book(root, *notebooks):
+    """A minimal book: this repository's config, an intro page, the given notebooks, the real scripts."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "_config.yml", root)
+    shutil.copytree(REPO / "scripts", root / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "book").mkdir()
+    (root / "book" / "intro.md").write_text("# Intro\n")
+    chapters = "".join(f"  - file: {n}\n" for n in notebooks)
+    (root / "_toc.yml").write_text(f"format: jb-book\nroot: book/intro\nchapters:\n{chapters}")
+
+
+def build(root, *extra):
+    return subprocess.run([sys.executable, str(REPO / "tools" / "build_book.py"), "--root", str(root),
+                           "--no-html", "--cell-timeout", "60", *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_builder_names_the_notebook_and_cell_that_raised(tmp_path):
+    make_book(tmp_path, "notebooks/broken")
+    write_notebook(tmp_path / "notebooks" / "broken.ipynb", "x = 1", "assert x == 2, 'the claim is false'")
+    done = build(tmp_path)
+    assert done.returncode != 0
+    assert "notebooks/broken.ipynb" in done.stderr
+    assert "cell" in done.stderr and "the claim is false" in done.stderr
+
+
+def test_builder_names_a_missing_toc_entry(tmp_path):
+    make_book(tmp_path, "notebooks/not_written_yet")
+    done = build(tmp_path)
+    assert done.returncode != 0
+    assert "notebooks/not_written_yet" in done.stderr
+
+
+def test_builder_fails_when_a_launched_script_fails(tmp_path):
+    make_book(tmp_path, "notebooks/launches")
+    write_notebook(tmp_path / "notebooks" / "launches.ipynb",
+                   "import sys; sys.path.insert(0, '../scripts')\nfrom common import launch_torchrun",
+                   "launch_torchrun('ch2_hello_distributed.py', ['--backend', 'nccl'], nproc=1, timeout=60)")
+    done = build(tmp_path)
+    assert done.returncode != 0
+    assert "notebooks/launches.ipynb" in done.stderr and "RuntimeError" in done.stderr
+
+
+def test_builder_skips_unchanged_notebooks_and_reruns_changed_ones(tmp_path):
+    make_book(tmp_path, "notebooks/a", "notebooks/b")
+    write_notebook(tmp_path / "notebooks" / "a.ipynb", "x = 1")
+    write_notebook(tmp_path / "notebooks" / "b.ipynb", "y = 2")
+    out = tmp_path / "_build"
+    assert build(tmp_path, "--out", str(out)).returncode == 0
+    write_notebook(tmp_path / "notebooks" / "b.ipynb", "y = 3")
+    second = build(tmp_path, "--out", str(out))
+    assert second.returncode == 0
+    lines = {line.split()[0]: line for line in second.stdout.splitlines() if line.startswith("notebooks/")}
+    assert "skipped" in lines["notebooks/a.ipynb"]
+    assert "executed" in lines["notebooks/b.ipynb"]
+    executed = json.loads((out / "source" / "notebooks" / "b.ipynb").read_text())
+    assert "y = 3" in "".join(executed["cells"][-1]["source"])
+
+
+# --- the launcher ---------------------------------------------------------------------------
+
+def test_launcher_raises_on_a_failed_run():
+    with pytest.raises(RuntimeError, match="exited with status"):
+        launch_torchrun("ch2_hello_distributed.py", ["--backend", "nccl"], nproc=1, timeout=60, quiet=True)
+
+
+def test_launcher_kills_a_hanging_run(tmp_path):
+    pid_file = tmp_path / "pid"
+    hang = tmp_path / "hang.py"
+    hang.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        launch_torchrun(str(hang), nproc=1, timeout=15, metrics=False, quiet=True)
+    assert time.monotonic() - start < 40
+    worker = int(pid_file.read_text())
+    time.sleep(1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)  # the worker is gone, not orphaned
+
+
+def test_launcher_reports_a_missing_torchrun(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="torchrun not found"):
+        launch_torchrun("ch2_hello_distributed.py", nproc=1, quiet=True)

@@ -1,0 +1,95 @@
+"""Checks on notebook sources, executed notebooks and the built HTML.
+
+Each function returns a list of problems (empty means fine), so the test suite
+can run them on the real book and on deliberately broken inputs alike.
+"""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+
+def source_problems(notebook: Path) -> list[str]:
+    """A notebook source must be stripped, parameterised, and use the python3 kernel."""
+    try:
+        nb = json.loads(notebook.read_text())
+    except (OSError, ValueError) as err:
+        return [f"{notebook}: not a readable notebook ({err})"]
+    problems = []
+    code_cells = [c for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+    for i, cell in enumerate(code_cells, 1):
+        if cell.get("outputs") or cell.get("execution_count") is not None:
+            problems.append(f"{notebook}: code cell {i} carries outputs or an execution count (strip it)")
+    if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in code_cells):
+        problems.append(f"{notebook}: no code cell tagged 'parameters'")
+    kernel = nb.get("metadata", {}).get("kernelspec", {}).get("name")
+    if kernel != "python3":
+        problems.append(f"{notebook}: kernelspec is {kernel!r}, expected 'python3'")
+    return problems
+
+
+def executed_problems(notebook: Path) -> list[str]:
+    """An executed notebook must not store an error or a traceback in any output.
+
+    Jupyter Book happily renders a stored traceback, so this has to be checked here.
+    """
+    nb = json.loads(notebook.read_text())
+    problems = []
+    for i, cell in enumerate(c for c in nb.get("cells", []) if c.get("cell_type") == "code"):
+        for out in cell.get("outputs", []):
+            text = "".join(out.get("text", "")) if out.get("output_type") == "stream" else ""
+            if out.get("output_type") == "error":
+                problems.append(f"{notebook}: code cell {i + 1} stored {out.get('ename')}: {out.get('evalue')}")
+            elif "Traceback (most recent call last)" in text:
+                problems.append(f"{notebook}: code cell {i + 1} printed a Python traceback")
+        if "papermill-error-cell-tag" in cell.get("metadata", {}).get("tags", []) or "papermill-error" in str(
+            cell.get("source", "")
+        ):
+            problems.append(f"{notebook}: papermill marked an error at code cell {i + 1}")
+    return problems
+
+
+class _Links(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images: list[str] = []
+        self.title = ""
+        self._in_title = False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img" and attrs.get("src"):
+            self.images.append(attrs["src"])
+        self._in_title = tag == "title"
+
+    def handle_data(self, data):
+        if self._in_title:
+            self.title += data
+
+    def handle_endtag(self, tag):
+        if tag == "title":
+            self._in_title = False
+
+
+def html_problems(html_dir: Path, entries: list[str]) -> list[str]:
+    """Every table-of-contents entry has a page, and every local image a page shows exists."""
+    problems = []
+    for entry in entries:
+        page = html_dir / f"{entry}.html"
+        if not page.is_file():
+            problems.append(f"no HTML page for _toc.yml entry {entry!r} (expected {page})")
+            continue
+        parser = _Links()
+        parser.feed(page.read_text())
+        if not parser.title.strip():
+            problems.append(f"{page}: page has no title")
+        for src in parser.images:
+            url = urlparse(src)
+            if url.scheme in ("http", "https", "data"):
+                continue
+            if not (page.parent / unquote(url.path)).resolve().is_file():
+                problems.append(f"{page}: image {src!r} does not exist")
+    return problems
