@@ -1,0 +1,195 @@
+"""Profile one DDP training step and save a trace you can open in Perfetto (ui.perfetto.dev) or chrome://tracing.
+
+    torchrun --standalone --nproc_per_node=2 scripts/ch3_profile_step.py
+    torchrun --standalone --nproc_per_node=2 scripts/ch3_profile_step.py --model medium --bucket-cap-mb 1
+
+The step is ch3_train.py's (same model, batch and optimizer), cut into record_function regions
+"forward", "backward" and "optimizer". Every rank writes its own trace, <trace-dir>/rank<R>.json.
+In it, DDP launches each bucket's all-reduce from the backward pass ("c10d::allreduce_" on the
+main thread) and the backend runs it on its own threads ("gloo:all_reduce" or "nccl:all_reduce").
+Rank 0 reads its trace back and writes the intervals to --metrics, for the chapter's timeline plot.
+
+The default bucket cap is 0.1 MB, not DDP's 25 MB: the small model's gradients (under 0.5 MB) would
+otherwise fill a single bucket, whose all-reduce cannot start before the last gradient is ready.
+"""
+
+import argparse
+import json
+from itertools import islice
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils.data import DataLoader, DistributedSampler
+
+from common import (
+    GPT,
+    MODEL_SIZES,
+    RUNS_DIR,
+    MetricsWriter,
+    ScriptError,
+    TokenWindows,
+    choose_backend,
+    positive_float,
+    positive_int,
+    provenance,
+    run_main,
+    synthetic_corpus,
+    use_single_process_defaults,
+)
+
+LEARNING_RATE = 1e-2  # ch3_train.py's defaults: --lr, --corpus-tokens
+CORPUS_TOKENS = 160_000
+REGIONS = ("forward", "backward", "optimizer")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="samples per process (default 16)")
+    parser.add_argument("--bucket-cap-mb", type=positive_float, default=0.1,
+                        help="DDP bucket size in MB (default 0.1, so that there are several buckets to overlap)")
+    parser.add_argument("--warmup", type=positive_int, default=3,
+                        help="unprofiled steps first, at least 2: DDP lays out its buckets anew in step 2 (default 3)")
+    parser.add_argument("--trace-dir", type=Path, default=RUNS_DIR / "ch3_profile_step",
+                        help="where every rank writes rank<R>.json (default: runs/ch3_profile_step)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
+    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    args = parser.parse_args()
+    if args.warmup < 2:
+        raise ScriptError(f"--warmup must be at least 2: step 1 runs with DDP's provisional buckets, got {args.warmup}")
+    return args
+
+
+def is_collective(event: dict) -> bool:
+    """The backend's own record of an all-reduce (gloo:all_reduce, nccl:all_reduce, NCCL kernels).
+
+    It lasts from when the backend picks the bucket up until the result is there, which includes
+    waiting for the other ranks to hand over the same bucket.
+    """
+    name = event["name"].lower()
+    return not name.startswith("c10d::") and ("all_reduce" in name or "allreduce" in name)
+
+
+def read_intervals(trace_path: Path) -> list[dict]:
+    """The events the timeline needs, from the exported trace, in ms from the start of the step."""
+    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    step_start = min(e["ts"] for e in events if e["name"] == "forward")
+    intervals = []
+    for e in events:
+        if e["name"] in REGIONS:
+            kind = e["name"]
+        elif e["name"] == "c10d::allreduce_":
+            kind = "all-reduce launched"
+        elif is_collective(e):
+            kind = "all-reduce in progress"
+        elif e["name"].startswith("autograd::engine::evaluate_function"):
+            kind = "gradient computation"
+        else:
+            continue
+        start = (e["ts"] - step_start) / 1000
+        intervals.append({"kind": kind, "name": e["name"], "thread": str(e["tid"]), "start_ms": start,
+                          "end_ms": start + e["dur"] / 1000})
+    return intervals
+
+
+def merged(intervals: list[dict]) -> list[list[float]]:
+    """The same time covered by disjoint [start, end] spans."""
+    spans = []
+    for i in sorted(intervals, key=lambda i: i["start_ms"]):
+        if spans and i["start_ms"] <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], i["end_ms"])
+        else:
+            spans.append([i["start_ms"], i["end_ms"]])
+    return spans
+
+
+def busy_ms(intervals: list[dict]) -> float:
+    return sum(end - start for start, end in merged(intervals))
+
+
+def overlap_ms(a: list[dict], b: list[dict]) -> float:
+    """How long something from ``a`` and something from ``b`` run at the same time."""
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in merged(a) for s2, e2 in merged(b))
+
+
+def main() -> None:
+    args = parse_args()
+    use_single_process_defaults()
+    backend, device = choose_backend(args.backend)
+    try:
+        args.trace_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ScriptError(f"cannot create --trace-dir {args.trace_dir}: {err.strerror}") from None
+    dist.init_process_group(backend=backend, init_method="env://")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    cfg = MODEL_SIZES[args.model]
+    dataset = TokenWindows(synthetic_corpus(CORPUS_TOKENS, cfg.vocab_size, args.seed), cfg.context)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
+                                 drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+
+    batches = [(x.to(device), y.to(device)) for x, y in islice(loader, args.warmup + 1)]
+    for x, y in batches[:-1]:
+        ddp(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    x, y = batches[-1]
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        with record_function("forward"):
+            loss = ddp(x, y)
+        with record_function("backward"):
+            loss.backward()  # returns only after DDP has waited for every bucket's all-reduce
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    trace_path = args.trace_dir / f"rank{rank}.json"
+    prof.export_chrome_trace(str(trace_path))
+
+    # _get_ddp_logging_data is private, but it is where DDP reports the bucket layout it chose.
+    buckets = len(ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+    if rank == 0:
+        intervals = read_intervals(trace_path)
+        of = lambda kind: [i for i in intervals if i["kind"] == kind]
+        in_progress, computing = of("all-reduce in progress"), of("gradient computation")
+        summary = {
+            "trace": str(trace_path.resolve()),
+            "buckets": buckets,
+            "all_reduce_launches": len(of("all-reduce launched")),
+            "all_reduce_runs": len(in_progress),
+            "first_launch_ms": min(i["start_ms"] for i in of("all-reduce launched")),
+            "gradients_done_ms": max(i["end_ms"] for i in computing),
+            "all_reduce_ms": busy_ms(in_progress),
+            "all_reduce_during_gradient_computation_ms": overlap_ms(in_progress, computing),
+        }
+        metrics = MetricsWriter(args.metrics)
+        metrics.write(**provenance(backend, world_size, device))
+        for interval in intervals:
+            metrics.write(event="interval", **interval)
+        metrics.write(event="summary", **summary)
+        metrics.close()
+        print(f"trace of one step (rank 0): {summary['trace']}")
+        print(f"{buckets} buckets; {summary['all_reduce_launches']} all-reduces launched, the first at "
+              f"{summary['first_launch_ms']:.1f} ms; the last gradient was computed at "
+              f"{summary['gradients_done_ms']:.1f} ms")
+        print(f"all-reduce in progress: {summary['all_reduce_ms']:.1f} ms in total, "
+              f"{summary['all_reduce_during_gradient_computation_ms']:.1f} ms of it while gradients were computed")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)
