@@ -355,12 +355,113 @@ def launch_torchrun(
     ``check=True`` a non-zero exit raises, because a plain ``!torchrun`` in a
     notebook cell would let a failed run pass unnoticed.
     """
-    script_path = SCRIPTS_DIR / script
-    if not script_path.exists():
-        raise FileNotFoundError(f"no companion script {script_path}")
+    script_path = _script_path(script)
     launcher = [find_torchrun()]
     if torchrun_args is None:
         torchrun_args = ["--standalone", f"--nproc_per_node={nproc}"]
+    args, metrics_path = _script_args(script_path, args, metrics)
+    command = [*launcher, *torchrun_args, str(script_path), *args]
+    if not quiet:
+        print("$ " + _shown_command(["torchrun", *torchrun_args], script_path, args, metrics_path), flush=True)
+
+    cores = os.cpu_count() or 1
+    run_env = _child_env(env, threads_per_process or max(1, cores // max(1, nproc)))
+    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet)
+    return result
+
+
+@dataclass
+class NodesRunResult(RunResult):
+    """A run made of several torchrun agents, one per pretend node."""
+
+    commands: list[list[str]] = field(default_factory=list)  # commands[i] started node i's agent
+    agent_pids: list[int] = field(default_factory=list)  # agent_pids[i]: process id of node i's agent
+
+
+def launch_torchrun_nodes(
+    script: str,
+    args: list[str] | tuple[str, ...] = (),
+    nnodes: int = 2,
+    nproc_per_node: int = 1,
+    rdzv_backend: str = "c10d",
+    timeout: float = 300,
+    metrics: bool = True,
+    check: bool = True,
+    env: dict | None = None,
+    threads_per_process: int | None = None,
+    quiet: bool = False,
+) -> NodesRunResult:
+    """Play ``nnodes`` machines on this one: start one torchrun agent per "node".
+
+    Agent i gets ``--nnodes=N --node_rank=i --nproc_per_node=P`` and all agents
+    meet at one rendezvous on 127.0.0.1, as agents on separate hosts meet at the
+    first host's address. ``rdzv_backend="c10d"`` passes ``--rdzv-backend=c10d
+    --rdzv-endpoint --rdzv-id`` (the rendezvous then assigns node ranks itself);
+    ``"static"`` passes ``--master-addr/--master-port`` (``--node_rank`` is
+    honoured). Output lines are prefixed with their node; metrics, streaming,
+    the timeout and clean-up work as in ``launch_torchrun``, for every agent.
+    """
+    if rdzv_backend not in ("c10d", "static"):
+        raise ValueError(f"rdzv_backend must be 'c10d' or 'static', got {rdzv_backend!r}")
+    script_path = _script_path(script)
+    launcher = [find_torchrun()]
+    args, metrics_path = _script_args(script_path, args, metrics)
+    port = free_port()
+    if rdzv_backend == "c10d":
+        meeting = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=book-{port}"]
+    else:
+        meeting = ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    per_node = [[f"--nnodes={nnodes}", f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}", *meeting]
+                for node in range(nnodes)]
+    commands = [[*launcher, *torchrun_args, str(script_path), *args] for torchrun_args in per_node]
+    if not quiet:
+        for node, torchrun_args in enumerate(per_node):
+            shown = _shown_command(["torchrun", *torchrun_args], script_path, args, metrics_path)
+            print(f"$ {shown}   # node {node}", flush=True)
+
+    cores = os.cpu_count() or 1
+    run_env = _child_env(env, threads_per_process or max(1, cores // max(1, nnodes * nproc_per_node)))
+    labels = [f"[node {node}] " for node in range(nnodes)]
+    result, pids = _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
+                                 filters=(AgentTracebackFilter, ExitBarrierRaceFilter))
+    return NodesRunResult(**vars(result), commands=commands, agent_pids=pids)
+
+
+def launch_python(
+    script: str,
+    args: list[str] | tuple[str, ...] = (),
+    timeout: float = 300,
+    metrics: bool = True,
+    check: bool = True,
+    env: dict | None = None,
+    threads_per_process: int | None = None,
+    quiet: bool = False,
+) -> RunResult:
+    """Run ``python scripts/<script> args...`` without a launcher; otherwise like ``launch_torchrun``.
+
+    For scripts that start their own processes (``torch.multiprocessing.spawn``)
+    and for a world of one. ``threads_per_process`` sets ``OMP_NUM_THREADS``
+    unless the environment already sets it.
+    """
+    script_path = _script_path(script)
+    args, metrics_path = _script_args(script_path, args, metrics)
+    command = [sys.executable, str(script_path), *args]
+    if not quiet:
+        print("$ " + _shown_command(["python"], script_path, args, metrics_path), flush=True)
+    run_env = _child_env(env, threads_per_process)
+    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet)
+    return result
+
+
+def _script_path(script: str) -> Path:
+    script_path = SCRIPTS_DIR / script
+    if not script_path.exists():
+        raise FileNotFoundError(f"no companion script {script_path}")
+    return script_path
+
+
+def _script_args(script_path: Path, args, metrics: bool) -> tuple[list[str], str | None]:
+    """The script's arguments as strings, plus ``--metrics`` and a fresh file under runs/ when asked."""
     args = [str(a) for a in args]
     metrics_path = None
     if metrics:
@@ -368,73 +469,101 @@ def launch_torchrun(
         fd, metrics_path = tempfile.mkstemp(prefix=f"{script_path.stem}-", suffix=".jsonl", dir=RUNS_DIR)
         os.close(fd)
         args += ["--metrics", metrics_path]
-    command = [*launcher, *torchrun_args, str(script_path), *args]
+    return args, metrics_path
 
-    shown = ["torchrun", *torchrun_args, os.path.relpath(script_path, REPO_ROOT),
+
+def _shown_command(launcher: list[str], script_path: Path, args: list[str], metrics_path: str | None) -> str:
+    """The command as a reader would type it in the repository root."""
+    shown = [*launcher, os.path.relpath(script_path, REPO_ROOT),
              *[os.path.relpath(a, REPO_ROOT) if a == metrics_path else a for a in args]]
-    if not quiet:
-        print("$ " + shlex.join(shown), flush=True)
+    return shlex.join(shown)
 
-    cores = os.cpu_count() or 1
+
+def _child_env(env: dict | None, threads: int | None) -> dict:
     run_env = {**os.environ, **(env or {})}
-    run_env.setdefault("OMP_NUM_THREADS", str(threads_per_process or max(1, cores // max(1, nproc))))
+    if threads is not None:
+        run_env.setdefault("OMP_NUM_THREADS", str(threads))
     run_env["PYTHONUNBUFFERED"] = "1"
+    return run_env
 
+
+def _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
+                  filters=None) -> tuple[RunResult, list]:
+    """Start each command in its own process group, stream their output, enforce one deadline.
+
+    Each process's output passes through fresh instances of ``filters`` (classes), in
+    order; the default is ``AgentTracebackFilter`` alone.
+    Returns the result and the process ids. On a timeout or an interrupt every
+    group is killed; with ``check`` any non-zero exit raises.
+    """
+    import selectors
+
+    filters = filters or (AgentTracebackFilter,)
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=run_env,
-        cwd=REPO_ROOT,
-        start_new_session=True,  # its own process group, so we can kill agent and workers together
-    )
+    procs = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=run_env,
+            cwd=REPO_ROOT,
+            start_new_session=True,  # its own process group, so we can kill agent and workers together
+        )
+        for command in commands
+    ]
     lines: list[str] = []
-    agent_filter = AgentTracebackFilter()
     timed_out = False
     try:
-        import selectors
-
         sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        for proc, label in zip(procs, labels, strict=True):
+            sel.register(proc.stdout, selectors.EVENT_READ, (label, [make() for make in filters]))
         deadline = start + timeout
-        while True:
+        while sel.get_map():
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 timed_out = True
                 break
-            if not sel.select(timeout=min(remaining, 1.0)):
-                if proc.poll() is not None:
+            ready = sel.select(timeout=min(remaining, 1.0))
+            if not ready:
+                if all(proc.poll() is not None for proc in procs):
                     break
                 continue
-            line = proc.stdout.readline()
-            if not line:
-                break
-            for shown_line in agent_filter.feed(line):
-                lines.append(shown_line)
-                if not quiet:
-                    print(shown_line, end="", flush=True)
+            for key, _ in ready:
+                line = key.fileobj.readline()
+                if not line:
+                    sel.unregister(key.fileobj)
+                    continue
+                label, line_filters = key.data
+                shown_lines = [line]
+                for line_filter in line_filters:
+                    shown_lines = [out for kept in shown_lines for out in line_filter.feed(kept)]
+                for shown_line in shown_lines:
+                    lines.append(label + shown_line)
+                    if not quiet:
+                        print(label + shown_line, end="", flush=True)
     except KeyboardInterrupt:
-        _kill_group(proc)
+        for proc in procs:
+            _kill_group(proc)
         raise
     finally:
-        if timed_out or proc.poll() is None:
+        for proc in procs:
             if timed_out:
                 _kill_group(proc)
-        proc.wait()
+            proc.wait()
     seconds = time.perf_counter() - start
-    output = "".join(lines)
+    returncode = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
 
     records = read_metrics(metrics_path) if metrics_path else []
-    result = RunResult(command=command, returncode=proc.returncode, output=output, seconds=seconds, metrics=records)
+    result = RunResult(command=commands[0], returncode=returncode, output="".join(lines), seconds=seconds,
+                       metrics=records)
     if timed_out:
         raise TimeoutError(f"{script} did not finish within {timeout:.0f} s and was killed")
     if result.provenance and not quiet:
         print(describe_provenance(result.provenance))
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{script} exited with status {proc.returncode}; its output is above")
-    return result
+    if check and returncode != 0:
+        raise RuntimeError(f"{script} exited with status {returncode}; its output is above")
+    return result, [proc.pid for proc in procs]
 
 
 class AgentTracebackFilter:
@@ -465,6 +594,43 @@ class AgentTracebackFilter:
         if line.startswith("Traceback (most recent call last):"):
             self.pending = line
             return []
+        return [line]
+
+
+class ExitBarrierRaceFilter:
+    """Condense torchrun's report of a known, harmless race at the end of a multi-agent run.
+
+    After their workers finish, the agents of a multi-node job meet at an exit
+    barrier held in the store of the agent that hosts it. If the host sets the
+    last key and exits at once, another agent still waiting on the closed store
+    logs a C++ stack and an "Error waiting on exit barrier" traceback, then
+    exits normally (PyTorch issue 69520). The report is replaced by one line.
+    """
+
+    SUMMARY = ("torchrun: this agent lost the known exit-barrier race with the agent hosting the store "
+               "(harmless; PyTorch issue 69520); its report is omitted\n")
+
+    def __init__(self):
+        self.held: list[str] = []  # a store warning that may turn out to be the start of the report
+        self.in_report = False
+
+    def feed(self, line: str) -> list[str]:
+        if "Error waiting on exit barrier" in line:
+            self.held, self.in_report = [], True
+            return [self.SUMMARY]
+        if self.in_report:
+            if "elastic/agent/server/api.py:" in line:  # the logged traceback, one prefixed line at a time
+                return []
+            self.in_report = False
+        if "TCPStore.cpp" in line and "recvValueWithTimeout failed" in line:
+            self.held = [line]
+            return []
+        if self.held:
+            if line.startswith(("Exception raised from", "frame #", "<omitting python frames>")) or not line.strip():
+                self.held.append(line)
+                return []
+            held, self.held = self.held, []
+            return [*held, line]
         return [line]
 
 

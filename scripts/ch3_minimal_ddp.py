@@ -1,0 +1,294 @@
+"""DDP from scratch, next to the real thing: same data, same start, same gradients.
+
+    torchrun --standalone --nproc_per_node=2 scripts/ch3_minimal_ddp.py
+    python scripts/ch3_minimal_ddp.py            # a world of one, no launcher
+
+MinimalDDP below does what torch.nn.parallel.DistributedDataParallel does, in a
+page: broadcast rank 0's weights at construction, group parameters into buckets
+in reverse order, and all-reduce each bucket asynchronously as soon as autograd
+has produced all of its gradients, then wait, average and copy back when
+backward ends. The script then
+
+1. builds a deliberately different model on every rank and measures how far
+   each rank is from rank 0 before and after wrapping (MinimalDDP and DDP);
+2. runs a few backward passes through MinimalDDP, DDP and a one-process model
+   that sees the whole global batch, and compares the three gradients;
+3. wraps the model in DDP with several ``bucket_cap_mb`` values and records the
+   buckets DDP actually all-reduced (through a communication hook) and what
+   ``_get_ddp_logging_data()`` reports.
+"""
+
+import argparse
+import copy
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from common import (
+    GPT,
+    MODEL_SIZES,
+    MetricsWriter,
+    ScriptError,
+    TokenWindows,
+    choose_backend,
+    positive_float,
+    positive_int,
+    provenance,
+    run_main,
+    synthetic_corpus,
+    use_single_process_defaults,
+)
+
+
+class MinimalDDP(nn.Module):
+    """Data parallelism in a page: replicate, hook, bucket, all-reduce, average."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+
+        # Every rank must start from the same weights, or the replicas drift apart from step one.
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor, src=0)
+
+        # Backward produces gradients roughly in reverse order of definition, so buckets are
+        # filled from the last parameter backwards; a bucket closes once it holds the cap.
+        cap_bytes = bucket_cap_mb * 2**20
+        self.buckets: list[list[nn.Parameter]] = [[]]
+        filled = 0
+        for param in reversed([p for p in module.parameters() if p.requires_grad]):
+            if filled >= cap_bytes:
+                self.buckets.append([])
+                filled = 0
+            self.buckets[-1].append(param)
+            filled += param.numel() * param.element_size()
+        self.bucket_of = {param: i for i, bucket in enumerate(self.buckets) for param in bucket}
+
+        # Autograd calls the hook the moment a parameter's .grad is final for this backward pass.
+        for param in self.bucket_of:
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+        self._start_new_backward()
+        self.launches: list[dict] = []  # when each bucket went out, to show the overlap
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _start_new_backward(self) -> None:
+        self.grads_ready = 0
+        self.ready_in_bucket = [0] * len(self.buckets)
+        self.next_bucket = 0
+        self.in_flight: list[tuple[list[nn.Parameter], torch.Tensor, dist.Work]] = []
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if self.grads_ready == 0:
+            # First gradient of this backward: arrange for _finish to run when autograd is done.
+            Variable._execution_engine.queue_callback(self._finish)
+            self.launches = []
+        self.grads_ready += 1
+        self.ready_in_bucket[self.bucket_of[param]] += 1
+        # Launch complete buckets strictly in bucket order: every rank must issue the same
+        # all-reduces in the same order, whatever order its hooks happened to fire in.
+        while (self.next_bucket < len(self.buckets)
+               and self.ready_in_bucket[self.next_bucket] == len(self.buckets[self.next_bucket])):
+            bucket = self.buckets[self.next_bucket]
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)  # returns at once
+            self.in_flight.append((bucket, flat, work))
+            self.launches.append({"bucket": self.next_bucket, "grads_ready": self.grads_ready})
+            self.next_bucket += 1
+
+    def _finish(self) -> None:
+        if self.next_bucket < len(self.buckets):
+            raise RuntimeError("some parameters got no gradient in this backward pass, so their bucket "
+                               "never filled; real DDP needs find_unused_parameters=True for such models")
+        for bucket, flat, work in self.in_flight:
+            work.wait()
+            flat.div_(self.world_size)  # the sum over ranks becomes the mean
+            for param, grad in zip(bucket, flat.split([p.numel() for p in bucket]), strict=True):
+                param.grad.copy_(grad.view_as(param))
+        self._start_new_backward()
+
+
+def distance_from_rank0(module: nn.Module) -> float:
+    """max |w_this_rank - w_rank0| over every parameter and buffer."""
+    mine = torch.cat([t.detach().reshape(-1).float() for t in [*module.parameters(), *module.buffers()]])
+    rank0 = mine.clone()
+    dist.broadcast(rank0, src=0)
+    return (mine - rank0).abs().max().item()
+
+
+def max_abs_diff(grads_a: list[torch.Tensor], grads_b: list[torch.Tensor]) -> float:
+    """Largest elementwise gap between two gradient lists, maximised over all ranks."""
+    gap = torch.stack([(a - b).abs().max() for a, b in zip(grads_a, grads_b, strict=True)]).max()
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    return gap.item()
+
+
+def gradient_counter(module: nn.Module) -> list[int]:
+    """A one-element list that counts gradients as autograd finalises them."""
+    count = [0]
+
+    def bump(_param: nn.Parameter) -> None:
+        count[0] += 1
+
+    for param in module.parameters():
+        param.register_post_accumulate_grad_hook(bump)
+    return count
+
+
+def record_buckets(log: list[dict], ready_counter: list[int], param_index: dict):
+    """A comm hook that notes which parameters each bucket holds, then all-reduces as DDP would."""
+
+    def hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        log.append({
+            "bucket": bucket.index(),
+            "param_indices": [param_index[p] for p in bucket.parameters()],
+            "numel": bucket.buffer().numel(),
+            "bytes": bucket.buffer().numel() * bucket.buffer().element_size(),
+            "grads_ready": ready_counter[0],
+        })
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    return hook
+
+
+def parse_caps(text: str) -> list[float]:
+    try:
+        caps = [positive_float(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"bucket caps must be comma-separated positive MiB values: {err}") from None
+    return caps
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per process per step")
+    parser.add_argument("--steps", type=positive_int, default=2,
+                        help="backward passes to compare (DDP rebuilds its buckets after the first)")
+    parser.add_argument("--bucket-cap-mb", type=positive_float, default=0.05,
+                        help="bucket size for MinimalDDP and the DDP it is compared with (MiB)")
+    parser.add_argument("--layout-caps-mb", type=parse_caps, default=[0.05, 0.25, 25.0],
+                        help="bucket_cap_mb values whose DDP bucket layout to record (comma-separated MiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-gradients", metavar="PATH",
+                        help="rank 0 saves the last step's three gradients here (torch.save)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
+    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.save_gradients and not os.access(Path(args.save_gradients).resolve().parent, os.W_OK):
+        raise ScriptError(f"--save-gradients {args.save_gradients}: its directory does not exist or is not writable")
+    use_single_process_defaults()
+    backend, device = choose_backend(args.backend)
+    dist.init_process_group(backend=backend, init_method="env://")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    metrics = MetricsWriter(args.metrics, enabled=rank == 0)
+    metrics.write(**provenance(backend, world_size, device))
+    cfg = MODEL_SIZES[args.model]
+
+    # 1. Replication. Seeding with the rank gives every process a different random init on purpose.
+    torch.manual_seed(args.seed + rank)
+    model = GPT(cfg).to(device)
+    before = distance_from_rank0(model)
+    minimal = MinimalDDP(model, args.bucket_cap_mb)
+    after = distance_from_rank0(model)
+
+    torch.manual_seed(args.seed + rank)
+    fresh = GPT(cfg).to(device)
+    ddp_before = distance_from_rank0(fresh)
+    ddp = DDP(fresh, bucket_cap_mb=args.bucket_cap_mb, **ddp_kwargs)
+    ddp_after = distance_from_rank0(ddp.module)
+    same_start = max((p - q).abs().max().item()
+                     for p, q in zip(model.parameters(), ddp.module.parameters(), strict=True))
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, {"rank": rank, "before": before, "after_minimal": after,
+                                      "ddp_before": ddp_before, "after_ddp": ddp_after,
+                                      "minimal_vs_ddp_weights": same_start})
+    for row in everyone:
+        metrics.write(event="replication", **row)
+    if rank == 0:
+        for row in everyone:
+            print(f"rank {row['rank']}: max|w - w_rank0| before wrapping {row['before']:.3g}, "
+                  f"after MinimalDDP {row['after_minimal']:.3g}, after DDP {row['after_ddp']:.3g}")
+
+    # 2. Gradients. Rank r takes its own slice of each global batch; the single-process
+    # reference takes the whole global batch, as one big machine would.
+    single = copy.deepcopy(model)  # a plain model: deepcopy does not carry MinimalDDP's hooks along
+    global_batch = args.batch_size * world_size
+    windows = TokenWindows(synthetic_corpus(args.steps * global_batch * cfg.context + 1, cfg.vocab_size, args.seed),
+                           cfg.context)
+    names = [name for name, _ in model.named_parameters()]
+    param_index = {p: i for i, p in enumerate(model.parameters())}
+    metrics.write(event="model", names=names, numels=[p.numel() for p in model.parameters()],
+                  bytes=[p.numel() * p.element_size() for p in model.parameters()],
+                  minimal_buckets=[[param_index[p] for p in bucket] for bucket in minimal.buckets])
+    for step in range(args.steps):
+        first = step * global_batch
+        xs, ys = zip(*(windows[i] for i in range(first, first + global_batch)), strict=True)
+        inputs, targets = torch.stack(xs).to(device), torch.stack(ys).to(device)
+        mine = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
+
+        for net in (minimal, ddp):
+            net.zero_grad(set_to_none=True)
+            net(inputs[mine], targets[mine]).backward()
+        single.zero_grad(set_to_none=True)
+        single(inputs, targets).backward()
+
+        grads = {name: [p.grad for p in net.parameters()] for name, net in
+                 (("minimal", minimal), ("ddp", ddp), ("single", single))}
+        record = {"event": "gradients", "step": step,
+                  "max_diff_minimal_vs_ddp": max_abs_diff(grads["minimal"], grads["ddp"]),
+                  "max_diff_ddp_vs_single_process": max_abs_diff(grads["ddp"], grads["single"]),
+                  "max_abs_grad": max(g.abs().max().item() for g in grads["ddp"]),
+                  "minimal_launches": minimal.launches}
+        metrics.write(**record)
+        if rank == 0:
+            print(f"step {step}: max|g_minimal - g_ddp| = {record['max_diff_minimal_vs_ddp']:.3g}, "
+                  f"max|g_ddp - g_one_process| = {record['max_diff_ddp_vs_single_process']:.3g} "
+                  f"(largest gradient entry {record['max_abs_grad']:.3g})")
+    if args.save_gradients and rank == 0:
+        torch.save({"names": names, **{k: [g.cpu() for g in v] for k, v in grads.items()}}, args.save_gradients)
+
+    # 3. The buckets DDP really used. A post-accumulate hook counts gradients as they appear,
+    # so each bucket's record says how much of backward was done when it went out.
+    for cap in args.layout_caps_mb:
+        probe = DDP(copy.deepcopy(model), bucket_cap_mb=cap, **ddp_kwargs)
+        index_of = {p: param_index[q] for p, q in zip(probe.module.parameters(), model.parameters(), strict=True)}
+        ready = gradient_counter(probe.module)
+        log: list[dict] = []
+        probe.register_comm_hook(None, record_buckets(log, ready, index_of))
+        for iteration in range(3):  # DDP rebuilds its buckets after the first iteration
+            log.clear()
+            ready[0] = 0
+            probe(inputs[mine], targets[mine]).backward()
+            metrics.write(event="ddp_buckets", bucket_cap_mb=cap, iteration=iteration,
+                          total_grads=len(param_index), buckets=sorted(log, key=lambda b: b["bucket"]))
+        logging_data = probe._get_ddp_logging_data()
+        metrics.write(event="ddp_logging_data", bucket_cap_mb=cap,
+                      **{k: logging_data.get(k) for k in ("bucket_cap_bytes", "bucket_sizes", "rebuilt_bucket_sizes",
+                                                           "rebuilt_per_bucket_param_indices",
+                                                           "prev_iteration_grad_ready_order_indices",
+                                                           "has_rebuilt_buckets")})
+        if rank == 0:
+            print(f"bucket_cap_mb={cap:g}: DDP all-reduced {len(log)} bucket(s) of "
+                  f"{[b['numel'] for b in sorted(log, key=lambda b: b['bucket'])]} elements")
+    metrics.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

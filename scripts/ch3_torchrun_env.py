@@ -1,0 +1,78 @@
+"""What torchrun tells each process: every rank reports its launch environment.
+
+    torchrun --standalone --nproc_per_node=2 scripts/ch3_torchrun_env.py
+    # two "nodes" on one machine: run each line in its own terminal
+    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo scripts/ch3_torchrun_env.py
+    torchrun --nnodes=2 --node_rank=1 --nproc_per_node=2 --rdzv-backend=c10d \\
+        --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=demo scripts/ch3_torchrun_env.py
+
+Each worker reads the variables its agent exported, joins the process group
+with init_method="env://", checks that the group agrees with the variables,
+and sends its description to rank 0, which prints one line per process.
+"""
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from common import MetricsWriter, ScriptError, choose_backend, provenance, run_main, use_single_process_defaults
+
+# The variables torchrun sets for every worker (TORCHELASTIC_* ones are collected too).
+LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
+    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    # Read the environment before anything fills in defaults: this is what the launcher gave us.
+    launched = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    launched.update({k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_")})
+    use_single_process_defaults()
+    backend, device = choose_backend(args.backend)
+
+    dist.init_process_group(backend=backend, init_method="env://")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if (rank, world_size) != (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
+        raise ScriptError(f"process group says rank {rank}/{world_size}, environment says "
+                          f"{os.environ['RANK']}/{os.environ['WORLD_SIZE']}")
+
+    me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "parent_pid": os.getppid(),
+          "device": str(device), "env": launched}
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, me)
+
+    # One collective over the whole world proves every process, on every node, is connected.
+    total = torch.tensor([1.0], device=device)
+    dist.all_reduce(total)
+    if total.item() != world_size:
+        raise ScriptError(f"all_reduce counted {total.item():g} processes, expected {world_size}")
+
+    if rank == 0:
+        metrics = MetricsWriter(args.metrics)
+        metrics.write(**provenance(backend, world_size, device))
+        for who in everyone:
+            metrics.write(event="process", **who)
+        metrics.close()
+        for who in everyone:
+            env = who["env"]
+            print(f"RANK={env['RANK']} LOCAL_RANK={env['LOCAL_RANK']} GROUP_RANK={env['GROUP_RANK']} "
+                  f"WORLD_SIZE={env['WORLD_SIZE']} LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']} "
+                  f"MASTER={env['MASTER_ADDR']}:{env['MASTER_PORT']} pid={who['pid']} agent={who['parent_pid']}")
+        print(f"all_reduce over the world counted {total.item():g} processes")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,139 @@
+"""Chapter 3, section 2: launchers and their environment, two "nodes" on one machine, DistributedSampler."""
+
+import math
+
+import pytest
+
+import support  # noqa: F401  (puts scripts/ on sys.path)
+from common import ExitBarrierRaceFilter, launch_python, launch_torchrun_nodes, read_metrics
+from support import run_python, run_torchrun
+
+
+def worker_rows(run):
+    node_of_agent = {pid: node for node, pid in enumerate(run.agent_pids)}
+    return [{"rank": int(p["env"]["RANK"]), "local_rank": int(p["env"]["LOCAL_RANK"]),
+             "group_rank": int(p["env"]["GROUP_RANK"]), "local_world_size": int(p["env"]["LOCAL_WORLD_SIZE"]),
+             "world_size": int(p["env"]["WORLD_SIZE"]), "node": node_of_agent[p["parent_pid"]]}
+            for p in run.records("process")]
+
+
+def test_two_nodes_with_c10d_rendezvous_give_one_consistent_world():
+    run = launch_torchrun_nodes("ch3_torchrun_env.py", nnodes=2, nproc_per_node=2, timeout=180, quiet=True)
+    rows = worker_rows(run)  # every worker's parent is one of the two agents we started
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
+    assert {r["world_size"] for r in rows} == {4} and {r["local_world_size"] for r in rows} == {2}
+    for node in (0, 1):
+        mine = [r for r in rows if r["node"] == node]
+        assert sorted(r["local_rank"] for r in mine) == [0, 1], "local ranks restart on each node"
+        assert len({r["group_rank"] for r in mine}) == 1
+    assert sorted({r["group_rank"] for r in rows}) == [0, 1]
+    assert all(r["rank"] == r["group_rank"] * r["local_world_size"] + r["local_rank"] for r in rows)
+
+
+def test_static_rendezvous_honours_node_rank():
+    run = launch_torchrun_nodes("ch3_torchrun_env.py", nnodes=2, nproc_per_node=1, rdzv_backend="static",
+                                timeout=180, quiet=True)
+    rows = worker_rows(run)
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    assert all(r["group_rank"] == r["node"] for r in rows)
+
+
+def test_single_node_environment(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    run_torchrun("ch3_torchrun_env.py", "--metrics", metrics, nproc=2, timeout=120)
+    procs = [m for m in read_metrics(metrics) if m.get("event") == "process"]
+    assert [int(p["env"]["RANK"]) for p in procs] == [0, 1]
+    assert all(p["env"]["RANK"] == p["env"]["LOCAL_RANK"] for p in procs)
+    assert {p["env"]["WORLD_SIZE"] for p in procs} == {"2"} and {p["env"]["GROUP_RANK"] for p in procs} == {"0"}
+    assert all(p["env"]["TORCHELASTIC_RUN_ID"] for p in procs)
+
+
+def test_spawn_launches_without_launcher_variables():
+    run = launch_python("ch3_spawn.py", ["--nproc", 2], timeout=120, threads_per_process=1, quiet=True)
+    procs = run.records("process")
+    assert [p["rank"] for p in procs] == [0, 1]
+    assert all(value is None for p in procs for value in p["env_found"].values())
+    assert len({p["parent_pid"] for p in procs}) == 1 and len({p["pid"] for p in procs}) == 2
+    assert run.records("all_reduce")[0]["result"] == 3
+
+
+@pytest.fixture(scope="module")
+def sampler_run(tmp_path_factory):
+    metrics = tmp_path_factory.mktemp("sampler") / "m.jsonl"
+    run_torchrun("ch3_sampler.py", "--dataset-size", 7, "--epochs", 3, "--batch-size", 3, "--accum-steps", 2,
+                 "--steps", 2, "--metrics", metrics, nproc=2, timeout=180)
+    return read_metrics(metrics)
+
+
+def shards(metrics, case, epoch):
+    rows = sorted((m for m in metrics if m.get("event") == "shard" and m["case"] == case and m["epoch"] == epoch),
+                  key=lambda m: m["rank"])
+    return [r["indices"] for r in rows]
+
+
+def test_sampler_padding_covers_the_dataset_with_equal_shards(sampler_run):
+    n, world = 7, 2
+    for case in ("in order, padded", "shuffled, set_epoch"):
+        parts = shards(sampler_run, case, 0)
+        assert len(parts) == world and {len(p) for p in parts} == {math.ceil(n / world)}
+        flat = [i for p in parts for i in p]
+        assert set(flat) == set(range(n)), "every item is used"
+        assert len(flat) - len(set(flat)) == math.ceil(n / world) * world - n, "only the padding repeats"
+
+
+def test_sampler_drop_last_gives_disjoint_equal_shards(sampler_run):
+    parts = shards(sampler_run, "in order, drop_last", 0)
+    flat = [i for p in parts for i in p]
+    assert {len(p) for p in parts} == {7 // 2}
+    assert len(flat) == len(set(flat)), "no item on two ranks"
+
+
+def test_set_epoch_changes_the_order_and_forgetting_it_does_not(sampler_run):
+    with_set = [shards(sampler_run, "shuffled, set_epoch", e) for e in range(3)]
+    without = [shards(sampler_run, "shuffled, no set_epoch", e) for e in range(3)]
+    assert without[0] == without[1] == without[2]
+    assert with_set[0] != with_set[1] and with_set[1] != with_set[2] and with_set[0] != with_set[2]
+
+
+def test_effective_batch_is_batch_times_accumulation_times_world(sampler_run):
+    steps = [m for m in sampler_run if m.get("event") == "optimizer_step"]
+    assert len(steps) == 2
+    for s in steps:
+        assert s["samples"] == s["distinct"] == 3 * 2 * 2
+        assert s["max_grad_diff_vs_one_process"] < 1e-5
+
+
+def test_exit_barrier_race_report_is_condensed_and_other_lines_pass():
+    report = ["[W TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=4): Failed to recv\n",
+              "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):\n",
+              "frame #0: c10::Error::Error() + 0x9d\n", "<omitting python frames>\n", "\n",
+              "E1125 1 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier.\n",
+              "E1125 1 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):\n",
+              "E1125 1 torch/distributed/elastic/agent/server/api.py:1008] torch.distributed.DistNetworkError: x\n"]
+    race = ExitBarrierRaceFilter()
+    shown = [out for line in [*report, "next line\n"] for out in race.feed(line)]
+    assert shown == [ExitBarrierRaceFilter.SUMMARY, "next line\n"]
+
+    unrelated = ExitBarrierRaceFilter()
+    lines = [report[0], "frame #0: something\n", "RANK=0 LOCAL_RANK=0\n"]
+    assert [out for line in lines for out in unrelated.feed(line)] == lines
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("ch3_sampler.py", ["--dataset-size", "0"], "--dataset-size"),
+    ("ch3_sampler.py", ["--accum-steps", "0"], "--accum-steps"),
+    ("ch3_spawn.py", ["--nproc", "0"], "--nproc"),
+    ("ch3_spawn.py", ["--nproc", "two"], "--nproc"),
+])
+def test_bad_input_is_one_line(script, args, message):
+    done = run_python(script, *args, check=False, timeout=60)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_spawn_script_refuses_to_run_under_torchrun():
+    done = run_torchrun("ch3_spawn.py", nproc=1, check=False, timeout=120)
+    assert done.returncode != 0
+    assert "error: this script starts its own processes: run it with python" in done.stderr
