@@ -294,6 +294,13 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
+        # GPT-2's initialisation. PyTorch's default N(0, 1) embedding, tied to the output head, would
+        # make the first logits huge and the first loss several times log(vocab_size).
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -581,10 +588,12 @@ class AgentTracebackFilter:
 
     def feed(self, line: str) -> list[str]:
         if self.skipping:
-            if "ChildFailedError:" in line and not line.startswith(" "):  # the exception line ends the stack
-                self.skipping = False
+            if line.startswith(" "):  # still inside the stack
+                return []
+            self.skipping = False  # the exception line ends the stack
+            if "ChildFailedError:" in line:
                 return ["torchrun: a worker failed (the launcher's own stack trace is omitted); summary:\n"]
-            return []
+            return ["torchrun failed (its own stack trace is omitted):\n", line]
         if self.pending is not None:
             pending, self.pending = self.pending, None
             if "torchrun" in line or "torch/distributed/run.py" in line:

@@ -184,11 +184,11 @@ def test_help_lists_the_contract():
 
 @pytest.fixture(scope="module")
 def precision_runs(tmp_path_factory):
-    """One process without a launcher, 16 steps, in fp32, bf16 and fp16."""
+    """One process without a launcher, 32 steps, in fp32, bf16 and fp16."""
     out = tmp_path_factory.mktemp("amp")
     runs = {}
     for amp in ("off", "bf16", "fp16"):
-        run_python(SCRIPT, *TINY, "--max-steps", "16", "--amp", amp, "--metrics", out / f"{amp}.jsonl")
+        run_python(SCRIPT, *TINY, "--max-steps", "32", "--amp", amp, "--metrics", out / f"{amp}.jsonl")
         runs[amp] = read_jsonl(out / f"{amp}.jsonl")
     return runs
 
@@ -197,10 +197,10 @@ def test_metrics_record_provenance_steps_and_summary(precision_runs):
     records = precision_runs["off"]
     assert records[0]["event"] == "provenance" and records[0]["world_size"] == 1
     steps = [r for r in records if r["event"] == "step"]
-    assert [r["step"] for r in steps] == list(range(2, 17, 2))
+    assert [r["step"] for r in steps] == list(range(2, 33, 2))
     assert all(r["samples_per_s"] > 0 for r in steps)
     summary = records[-1]
-    assert summary["event"] == "summary" and summary["steps"] == 16
+    assert summary["event"] == "summary" and summary["steps"] == 32
     assert summary["final_loss"] == steps[-1]["loss"]
     assert summary["final_loss"] < 0.7 * steps[0]["loss"], "the loss should clearly fall"
     assert len(summary["weights_sha256"]) == 64
