@@ -126,14 +126,14 @@ def distance_from_rank0(module: nn.Module) -> float:
 
 
 def max_abs_diff(grads_a: list[torch.Tensor], grads_b: list[torch.Tensor]) -> float:
-    """Largest elementwise gap between two gradient lists, maximised over all ranks."""
+    """Largest elementwise gap between two gradient lists, maximized over all ranks."""
     gap = torch.stack([(a - b).abs().max() for a, b in zip(grads_a, grads_b, strict=True)]).max()
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
     return gap.item()
 
 
 def gradient_counter(module: nn.Module) -> list[int]:
-    """A one-element list that counts gradients as autograd finalises them."""
+    """A one-element list that counts gradients as autograd finalizes them."""
     count = [0]
 
     def bump(_param: nn.Parameter) -> None:

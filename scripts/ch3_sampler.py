@@ -5,8 +5,8 @@
 Part 1 asks DistributedSampler, on every rank, which dataset indices it hands
 out for a small dataset (``--dataset-size``, deliberately not a multiple of
 the world size): without shuffling, with ``drop_last`` off and on, and for
-several epochs with shuffling, with and without ``set_epoch``. Rank 0 records
-every rank's list.
+several epochs with shuffling, with and without ``set_epoch`` and with
+``drop_last``. Rank 0 records every rank's list.
 
 Part 2 trains a tiny GPT for ``--steps`` optimizer steps with DDP, a per-process
 batch of ``--batch-size`` and ``--accum-steps`` micro-batches per step (all but
@@ -65,7 +65,8 @@ def show_shards(args, metrics: MetricsWriter) -> None:
     cases = [("in order, padded", dict(shuffle=False, drop_last=False), False),
              ("in order, drop_last", dict(shuffle=False, drop_last=True), False),
              ("shuffled, set_epoch", dict(shuffle=True, drop_last=False), True),
-             ("shuffled, no set_epoch", dict(shuffle=True, drop_last=False), False)]
+             ("shuffled, no set_epoch", dict(shuffle=True, drop_last=False), False),
+             ("shuffled, drop_last", dict(shuffle=True, drop_last=True), True)]
     for name, options, calls_set_epoch in cases:
         sampler = DistributedSampler(dataset, seed=args.seed, **options)
         epochs = args.epochs if options["shuffle"] else 1

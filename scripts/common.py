@@ -294,7 +294,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        # GPT-2's initialisation. PyTorch's default N(0, 1) embedding, tied to the output head, would
+        # GPT-2's initialization. PyTorch's default N(0, 1) embedding, tied to the output head, would
         # make the first logits huge and the first loss several times log(vocab_size).
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -405,7 +405,7 @@ def launch_torchrun_nodes(
     first host's address. ``rdzv_backend="c10d"`` passes ``--rdzv-backend=c10d
     --rdzv-endpoint --rdzv-id`` (the rendezvous then assigns node ranks itself);
     ``"static"`` passes ``--master-addr/--master-port`` (``--node_rank`` is
-    honoured). Output lines are prefixed with their node; metrics, streaming,
+    honored). Output lines are prefixed with their node; metrics, streaming,
     the timeout and clean-up work as in ``launch_torchrun``, for every agent.
     """
     if rdzv_backend not in ("c10d", "static"):

@@ -30,7 +30,7 @@ def test_two_nodes_with_c10d_rendezvous_give_one_consistent_world():
     assert all(r["rank"] == r["group_rank"] * r["local_world_size"] + r["local_rank"] for r in rows)
 
 
-def test_static_rendezvous_honours_node_rank():
+def test_static_rendezvous_honors_node_rank():
     run = launch_torchrun_nodes("ch3_torchrun_env.py", nnodes=2, nproc_per_node=1, rdzv_backend="static",
                                 timeout=180, quiet=True)
     rows = worker_rows(run)
@@ -93,6 +93,20 @@ def test_set_epoch_changes_the_order_and_forgetting_it_does_not(sampler_run):
     without = [shards(sampler_run, "shuffled, no set_epoch", e) for e in range(3)]
     assert without[0] == without[1] == without[2]
     assert with_set[0] != with_set[1] and with_set[1] != with_set[2] and with_set[0] != with_set[2]
+
+
+def test_shuffled_drop_last_leaves_out_the_tail_of_each_epochs_permutation(sampler_run):
+    n, world = 7, 2
+    kept = n // world * world
+    for epoch in range(3):
+        # With padding, the interleaved shards are the epoch's permutation followed by its first items again.
+        padded = shards(sampler_run, "shuffled, set_epoch", epoch)
+        permutation = [padded[k % world][k // world] for k in range(n)]
+        dropped = shards(sampler_run, "shuffled, drop_last", epoch)
+        used = [dropped[k % world][k // world] for k in range(kept)]
+        assert used == permutation[:kept], "drop_last keeps the same shuffled order, cut to a multiple of W"
+        left_out = set(range(n)) - set(used)
+        assert left_out == set(permutation[kept:]) and len(left_out) <= world - 1
 
 
 def test_effective_batch_is_batch_times_accumulation_times_world(sampler_run):
