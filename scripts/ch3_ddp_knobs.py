@@ -59,12 +59,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small",
                         help="model size for every experiment but the bucket sweep (default: small, as ch3_train.py)")
     parser.add_argument("--sweep-model", choices=sorted(MODEL_SIZES), default="medium",
-                        help="model size for the bucket sweep; it needs gradients of a few MB (default: medium)")
-    parser.add_argument("--bucket-caps", nargs="+", type=positive_float, metavar="MB",
+                        help="model size for the bucket sweep; it needs gradients of a few MiB (default: medium)")
+    parser.add_argument("--bucket-caps", nargs="+", type=positive_float, metavar="MiB",
                         default=[0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 25.0],
-                        help="bucket_cap_mb values for the sweep; DDP's default is always added")
+                        help="bucket_cap_mb values (in MiB) for the sweep; DDP's default is always added")
     parser.add_argument("--bucket-cap-mb", type=positive_float, default=25.0,
-                        help="bucket size for every experiment but the sweep (default 25, as ch3_train.py)")
+                        help="bucket size in MiB for every experiment but the sweep (default 25, as ch3_train.py)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="samples per process per step (default 16)")
     parser.add_argument("--accum-steps", type=positive_int, default=4,
                         help="micro-batches per optimizer step in the accumulation experiment (default 4)")
@@ -203,7 +203,7 @@ def all_close(a, b) -> bool:
 def sweep_buckets(s: Session) -> None:
     """Smaller buckets start all-reducing earlier but pay a fixed cost per all-reduce; find the balance."""
     s.say(f"\n== buckets: step time against bucket_cap_mb ({s.args.sweep_model} model)")
-    s.say(f"{'bucket_cap_mb':>14} {'buckets':>7} {'largest MB':>10} {'step ms':>8}")
+    s.say(f"{'bucket_cap_mb':>14} {'buckets':>7} {'largest MiB':>11} {'step ms':>8}")
     for cap in [*s.args.bucket_caps, None]:
         options = {"bucket_cap_mb": cap}  # None: DDP's default layout
         ddp, optimizer = s.build_ddp(s.args.sweep_model, **options)
@@ -212,7 +212,7 @@ def sweep_buckets(s: Session) -> None:
         s.record("buckets", model=s.args.sweep_model, cap_mb=cap, buckets=len(sizes), bucket_bytes=sizes,
                  step_ms=step_ms)
         label = "default" if cap is None else f"{cap:g}"
-        s.say(f"{label:>14} {len(sizes):>7} {max(sizes) / 2**20:>10.3f} {step_ms:>8.1f}")
+        s.say(f"{label:>14} {len(sizes):>7} {max(sizes) / 2**20:>11.3f} {step_ms:>8.1f}")
 
 
 def compare_accumulation(s: Session) -> None:
@@ -308,7 +308,7 @@ def compare_options(s: Session) -> None:
                  grad_bytes=grad_bytes, bucket_bytes=bucket_bytes, gradient_memory_bytes=bucket_bytes + separate_bytes,
                  max_weight_difference=difference)
         s.say(f"{name:>30}: {sum(inside)}/{len(inside)} grads inside a bucket, gradient memory "
-              f"{(bucket_bytes + separate_bytes) / 2**20:.2f} MB, {step_ms:.1f} ms/step, "
+              f"{(bucket_bytes + separate_bytes) / 2**20:.2f} MiB, {step_ms:.1f} ms/step, "
               f"weights differ from default by {difference:.1e}")
 
 
@@ -379,7 +379,7 @@ def compare_compression(s: Session) -> None:
         s.record("compression", hook=name, bytes_per_step=wire_bytes, buckets=buckets,
                  max_abs_error=error.abs().max().item(), relative_error=relative_error,
                  max_abs_grad=reference.abs().max().item(), step_ms=step_ms)
-        s.say(f"{name:>22}: {wire_bytes / 2**20:.3f} MB per step in {buckets} bucket(s), "
+        s.say(f"{name:>22}: {wire_bytes / 2**20:.3f} MiB per step in {buckets} bucket(s), "
               f"relative error {relative_error:.2e}, {step_ms:.1f} ms/step")
 
 
@@ -390,6 +390,9 @@ def main() -> None:
     dist.init_process_group(backend=backend, init_method="env://")
     session = Session(args, device)
     session.record(**provenance(backend, session.world_size, device))
+    session.record("config", model=args.model, sweep_model=args.sweep_model, batch_size=args.batch_size,
+                   context=MODEL_SIZES[args.model].context, optimizer="AdamW", lr=LEARNING_RATE,
+                   bucket_cap_mb=args.bucket_cap_mb)
     session.say(f"{session.world_size} process(es), {args.model} model, batch {args.batch_size} per process")
 
     run = {"buckets": sweep_buckets, "accumulation": compare_accumulation, "precision": compare_precision,

@@ -15,7 +15,7 @@ For ch3_train.py's step (same model, batch and optimizer), per bucket size:
 there were no overlap at all. The three take turns, step by step, so that changes in background load
 hit them alike; a step is timed from a common start on all ranks to the end of its slowest rank. Each
 timing is the median over --steps steps, then over --repeats rounds. The default bucket size is
-ch3_train.py's (25 MB); "--bucket-cap-mb default" leaves DDP's own layout (no bucket_cap_mb argument).
+ch3_train.py's (25 MiB); "--bucket-cap-mb default" leaves DDP's own layout (no bucket_cap_mb argument).
 """
 
 import argparse
@@ -49,7 +49,7 @@ BUCKET_CAP_MB = 25.0
 
 
 def bucket_cap(text: str) -> float | None:
-    """argparse type: a bucket size in MB, or 'default' for DDP's layout (no bucket_cap_mb argument)."""
+    """argparse type: a bucket size in MiB, or 'default' for DDP's layout (no bucket_cap_mb argument)."""
     return None if text == "default" else positive_float(text)
 
 
@@ -61,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of the three measurements (default 3)")
     parser.add_argument("--warmup", type=positive_int, default=2,
                         help="untimed steps before each measurement (default 2)")
-    parser.add_argument("--bucket-cap-mb", nargs="+", type=bucket_cap, default=[BUCKET_CAP_MB], metavar="MB",
+    parser.add_argument("--bucket-cap-mb", nargs="+", type=bucket_cap, default=[BUCKET_CAP_MB], metavar="MiB",
                         help=f"one table row per bucket size; 'default' is DDP's own layout, without "
                              f"bucket_cap_mb (default: {BUCKET_CAP_MB:g}, as ch3_train.py)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
@@ -171,11 +171,11 @@ def main() -> None:
     if rank == 0:
         print(f"{args.model} model, batch {args.batch_size} per process, {world_size} process(es), {backend} on "
               f"{device.type}; medians of {args.steps} steps x {args.repeats} rounds")
-        print(f"{'bucket_cap_mb':>13} {'buckets':>7} {'grad MB':>7} {'T_ddp ms':>9} {'T_local ms':>10} "
+        print(f"{'bucket_cap_mb':>13} {'buckets':>7} {'grad MiB':>8} {'T_ddp ms':>9} {'T_local ms':>10} "
               f"{'T_comm ms':>9} {'exposed (T_ddp-T_local)/T_comm':>30}")
         for r in rows:
             cap = "default" if r["bucket_cap_mb"] is None else f"{r['bucket_cap_mb']:g}"
-            print(f"{cap:>13} {r['buckets']:>7} {r['gradient_mb']:>7.2f} {r['t_ddp_ms']:>9.2f} "
+            print(f"{cap:>13} {r['buckets']:>7} {r['gradient_mb']:>8.2f} {r['t_ddp_ms']:>9.2f} "
                   f"{r['t_local_ms']:>10.2f} {r['t_comm_ms']:>9.2f} {r['exposed_fraction']:>30.2f}")
     metrics.close()
     dist.destroy_process_group()

@@ -9,7 +9,7 @@ In it, DDP launches each bucket's all-reduce from the backward pass ("c10d::allr
 main thread) and the backend runs it on its own threads ("gloo:all_reduce" or "nccl:all_reduce").
 Rank 0 reads its trace back and writes the intervals to --metrics, for the chapter's timeline plot.
 
-The default bucket cap is 0.1 MB, not DDP's 25 MB: the small model's gradients (under 0.5 MB) would
+The default bucket cap is 0.1 MiB, not DDP's 25 MiB: the small model's gradients (under 0.5 MiB) would
 otherwise fill a single bucket, whose all-reduce cannot start before the last gradient is ready.
 """
 
@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="samples per process (default 16)")
     parser.add_argument("--bucket-cap-mb", type=positive_float, default=0.1,
-                        help="DDP bucket size in MB (default 0.1, so that there are several buckets to overlap)")
+                        help="DDP bucket size in MiB (default 0.1, so that there are several buckets to overlap)")
     parser.add_argument("--warmup", type=positive_int, default=3,
                         help="unprofiled steps first, at least 2: DDP lays out its buckets anew in step 2 (default 3)")
     parser.add_argument("--trace-dir", type=Path, default=RUNS_DIR / "ch3_profile_step",

@@ -14,7 +14,7 @@ from common import GPT, MODEL_SIZES, read_metrics
 from support import run_python, run_torchrun
 
 ACCUM = 3
-CAPS = [0.01, 0.03, 1.0]  # MB; the tiny model's gradients take about 0.14 MB
+CAPS = [0.01, 0.03, 1.0]  # MiB; the tiny model's gradients take about 0.14 MiB
 
 
 @pytest.fixture(scope="module")
