@@ -61,10 +61,11 @@ def browser():
 @pytest.mark.parametrize("entry", toc_entries(REPO / "_toc.yml"))
 def test_page_renders_in_a_browser(server, browser, entry):
     page = browser.new_page()
-    console_errors, failed, external_failed = [], [], []
+    console_errors, failed, external = [], [], []
     page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
     page.on("pageerror", lambda e: console_errors.append(str(e)))
-    page.on("requestfailed", lambda r: (failed if r.url.startswith(server) else external_failed).append(r.url))
+    page.on("request", lambda r: r.url.startswith((server, "data:")) or external.append(r.url))
+    page.on("requestfailed", lambda r: failed.append(r.url))
     page.on("response", lambda r: r.url.startswith(server) and r.status >= 400 and failed.append(f"{r.status} {r.url}"))
 
     response = page.goto(f"{server}/{entry}.html", wait_until="load")
@@ -76,12 +77,12 @@ def test_page_renders_in_a_browser(server, browser, entry):
         "Array.from(document.images).filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)"
     )
     assert broken == [], f"images that did not load: {broken}"
-    assert failed == [], f"local requests that failed: {failed}"
-    noise = KNOWN_CONSOLE_NOISE
-    if external_failed:
-        # The theme loads MathJax from a CDN; without a network that request fails, and Chromium logs
-        # it. Only external requests may fail: every local one was checked above.
-        noise += ("Failed to load resource: net::ERR_NAME_NOT_RESOLVED",)
-    unexpected = [m for m in console_errors if not any(n in m for n in noise)]
+    assert failed == [], f"requests that failed: {failed}"
+    assert external == [], f"the book must read offline, but the page fetched {external}"
+    formulas = page.locator("span.math, div.math").count()
+    typeset = page.evaluate("() => window.MathJax ? MathJax.startup.promise.then("
+                            "() => document.querySelectorAll('mjx-container').length) : 0")
+    assert typeset >= formulas, f"{formulas} formulas on the page, {typeset} typeset by MathJax"
+    unexpected = [m for m in console_errors if not any(n in m for n in KNOWN_CONSOLE_NOISE)]
     assert unexpected == [], f"console errors: {unexpected}"
     page.close()

@@ -112,6 +112,8 @@ def stage_and_execute(
         else:
             shutil.copy2(src, dst)
 
+    stage_mathjax(staging)
+
     stamps_path = out / "fingerprints.json"
     stamps = json.loads(stamps_path.read_text()) if stamps_path.exists() else {}
     report = []
@@ -130,6 +132,22 @@ def stage_and_execute(
         stamps[rel] = stamp
         stamps_path.write_text(json.dumps(stamps, indent=1))
     return report
+
+
+def stage_mathjax(staging: Path) -> None:
+    """Ship MathJax inside the book, so formulas render without a network (see _config.yml).
+
+    The `mathjax` package (django-static-mathjax on PyPI) is MathJax 3 as plain files; we copy the
+    one bundle the book loads and the fonts it fetches relative to itself.
+    """
+    import mathjax
+
+    es5 = Path(mathjax.__file__).parent / "static" / "mathjax" / "es5"
+    target = staging / "_mathjax" / "mathjax"
+    fonts = Path("output") / "chtml" / "fonts" / "woff-v2"
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(es5 / "tex-mml-chtml.js", target)
+    shutil.copytree(es5 / fonts, target / fonts, dirs_exist_ok=True)
 
 
 def build_html(out: Path) -> Path:
