@@ -88,6 +88,8 @@ def execute(notebook: Path, target: Path, parameters: dict, cell_timeout: int, r
             execution_timeout=cell_timeout,
             progress_bar=False,
             log_output=False,
+            # The kernel logs a warning about unencrypted local TCP at every start; errors still show.
+            extra_arguments=["--IPKernelApp.log_level=ERROR"],
         )
     except PapermillExecutionError as err:
         raise BuildError(
