@@ -14,9 +14,12 @@ test: $(STAMP) chromium
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt
+# The book's library (scripts/dtbook) is installed in editable mode, so notebooks and tests import it
+# without path tricks; --no-build-isolation builds it with the pinned setuptools, offline.
+$(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # The browser check drives Debian's Chromium through Playwright (no `playwright install`).

@@ -14,14 +14,13 @@ import socket
 import torch
 import torch.distributed as dist
 
-from common import MetricsWriter, ScriptError, choose_backend, provenance, run_main, use_single_process_defaults
+from dtbook.cli import ScriptError, add_backend_and_metrics, run_main, script_parser
+from dtbook.distributed import choose_backend, open_metrics, use_single_process_defaults
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    parser = script_parser(__doc__)
+    add_backend_and_metrics(parser)
     return parser.parse_args()
 
 
@@ -50,8 +49,7 @@ def main() -> None:
         raise ScriptError(f"all_reduce gave {value.item()}, expected {expected}")
 
     if rank == 0:
-        metrics = MetricsWriter(args.metrics)
-        metrics.write(**provenance(backend, world_size, device))
+        metrics = open_metrics(args.metrics, backend, device)
         for who in everyone:
             metrics.write(event="rank", **who)
         metrics.write(event="all_reduce", op="sum", contributed="rank + 1", result=value.item(), expected=expected)

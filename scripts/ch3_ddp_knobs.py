@@ -22,38 +22,26 @@ import argparse
 import statistics
 import time
 from contextlib import nullcontext
-from itertools import cycle, islice
+from itertools import cycle
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
-from common import (
-    GPT,
-    MODEL_SIZES,
-    MetricsWriter,
-    ScriptError,
-    TokenWindows,
-    choose_backend,
-    positive_float,
-    positive_int,
-    provenance,
-    run_main,
-    synthetic_corpus,
-    use_single_process_defaults,
-)
+from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
+from dtbook.data import DEFAULTS, corpus_windows, first_batches
+from dtbook.ddp_inspect import bucket_sizes
+from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.model import GPT, MODEL_SIZES
 
 EXPERIMENTS = ["buckets", "accumulation", "precision", "options", "buffers", "compression"]
-LEARNING_RATE = 1e-2  # ch3_train.py's defaults: --lr, --corpus-tokens, --bucket-cap-mb
-CORPUS_TOKENS = 160_000
 WARMUP_STEPS = 2  # the first step differs: DDP lays its buckets out again once it has seen gradient order
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--experiments", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS, metavar="NAME",
                         help=f"which experiments to run (default: all of {', '.join(EXPERIMENTS)})")
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small",
@@ -72,9 +60,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision-steps", type=positive_int, default=30,
                         help="training steps per precision, for the loss curves (default 30, at least 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     args = parser.parse_args()
     if args.precision_steps < 2:
         raise ScriptError(f"--precision-steps must be at least 2 (the first step is not timed), "
@@ -85,30 +71,28 @@ def parse_args() -> argparse.Namespace:
 class Session:
     """What every experiment needs: the device, this rank's batches, and where to write results."""
 
-    def __init__(self, args, device):
+    def __init__(self, args, backend, device):
         self.args = args
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.metrics = MetricsWriter(args.metrics, enabled=self.rank == 0)
+        self.metrics = open_metrics(args.metrics, backend, device)
         self.batches = self.rank_batches(count=max(args.accum_steps, 4))
 
     def rank_batches(self, count):
         """The first ``count`` batches this rank sees in ch3_train.py's first epoch (different on every rank)."""
         cfg = MODEL_SIZES[self.args.model]
-        dataset = TokenWindows(synthetic_corpus(CORPUS_TOKENS, cfg.vocab_size, self.args.seed), cfg.context)
-        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank, shuffle=True,
-                                     seed=self.args.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=self.args.batch_size, sampler=sampler, drop_last=True)
-        return [(x.to(self.device), y.to(self.device)) for x, y in islice(loader, count)]
+        dataset = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context, self.args.seed)
+        return first_batches(dataset, self.args.batch_size, self.rank, self.world_size, self.args.seed, count,
+                             self.device)
 
     def build_ddp(self, model_name, **ddp_options):
         """A fresh DDP model with ch3_train.py's bucket size unless ``ddp_options`` says otherwise."""
         ddp_options = {"bucket_cap_mb": self.args.bucket_cap_mb, **ddp_options}
         torch.manual_seed(self.args.seed)  # identical weights on every rank and in every configuration
         model = GPT(MODEL_SIZES[model_name]).to(self.device)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        device_ids = ddp_device_ids(self.device)
         ddp = DDP(model, device_ids=device_ids, **ddp_options)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=DEFAULTS.lr)
 
     def training_step(self, ddp, optimizer, amp_dtype=None, scaler=None):
         """One ch3_train.py optimizer step as a function: forward under autocast, backward, step."""
@@ -159,14 +143,6 @@ class Session:
     def say(self, text):
         if self.rank == 0:
             print(text, flush=True)
-
-
-def bucket_sizes(ddp) -> list[int]:
-    """Bytes in each gradient bucket of the layout DDP uses now, in all-reduce order."""
-    # _get_ddp_logging_data is private, but it is where DDP reports the layout its C++ reducer chose.
-    info = ddp._get_ddp_logging_data()
-    sizes = info.get("rebuilt_bucket_sizes") or info["bucket_sizes"]
-    return [int(s) for s in sizes.split(",")]
 
 
 class BucketLog:
@@ -332,7 +308,7 @@ def compare_buffer_sync(s: Session, steps: int = 3) -> None:
     for sync in (True, False):
         torch.manual_seed(s.args.seed)
         net = NormedMLP().to(s.device)
-        device_ids = [s.device.index] if s.device.type == "cuda" else None
+        device_ids = ddp_device_ids(s.device)
         # forward_sync_buffers is torch 2.13's name for what older code calls broadcast_buffers.
         ddp = DDP(net, device_ids=device_ids, forward_sync_buffers=sync)
         seen = []
@@ -385,13 +361,10 @@ def compare_compression(s: Session) -> None:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
-    dist.init_process_group(backend=backend, init_method="env://")
-    session = Session(args, device)
-    session.record(**provenance(backend, session.world_size, device))
+    backend, device = start_process_group(args.backend)
+    session = Session(args, backend, device)
     session.record("config", model=args.model, sweep_model=args.sweep_model, batch_size=args.batch_size,
-                   context=MODEL_SIZES[args.model].context, optimizer="AdamW", lr=LEARNING_RATE,
+                   context=MODEL_SIZES[args.model].context, optimizer="AdamW", lr=DEFAULTS.lr,
                    bucket_cap_mb=args.bucket_cap_mb)
     session.say(f"{session.world_size} process(es), {args.model} model, batch {args.batch_size} per process")
 

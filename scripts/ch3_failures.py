@@ -29,19 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (
-    GPT,
-    MODEL_SIZES,
-    MetricsWriter,
-    ScriptError,
-    choose_backend,
-    positive_float,
-    positive_int,
-    provenance,
-    run_main,
-    synthetic_corpus,
-    use_single_process_defaults,
-)
+from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
+from dtbook.data import synthetic_corpus
+from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.metrics import MetricsWriter
+from dtbook.model import GPT, MODEL_SIZES
 
 # Variables that change what torch.distributed reports; each run records what its workers saw.
 DEBUG_VARIABLES = ["TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
@@ -60,7 +52,7 @@ FLAG_OWNERS = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--failure", choices=FAILURES, default=FAILURES[0],
                         help=f"which failure to reproduce (default {FAILURES[0]})")
     parser.add_argument("--timeout", type=positive_float, default=5.0,
@@ -76,9 +68,7 @@ def parse_args() -> argparse.Namespace:
                         help="rank-seed: seed the model with seed+rank (the bug, default) or with seed on every rank")
     parser.add_argument("--ddp", action="store_true",
                         help="rank-seed: train with DDP instead of a hand-written all_reduce of gradients")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     args = parser.parse_args()
     for flag, owner in FLAG_OWNERS.items():
         if getattr(args, flag) not in (None, False) and args.failure != owner:
@@ -175,7 +165,7 @@ class LanguageModelWithAuxHead(nn.Module):
 def unused_parameter(args, device: torch.device, metrics: MetricsWriter) -> None:
     torch.manual_seed(args.seed)
     model = LanguageModelWithAuxHead(use_aux_loss=False).to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+    ddp_model = DDP(model, device_ids=ddp_device_ids(device),
                     find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph)
     optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
     tokens = synthetic_corpus(20_000, model.lm.cfg.vocab_size, seed=args.seed)
@@ -230,7 +220,7 @@ def rank_seed(args, device: torch.device, metrics: MetricsWriter) -> None:
     torch.manual_seed(model_seed)
     model = RandomFeatureRegressor().to(device)
     if args.ddp:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)  # broadcasts rank 0's weights
+        model = DDP(model, device_ids=ddp_device_ids(device))  # broadcasts rank 0's weights
     # Data, on the other hand, should differ: each rank draws its own batches.
     torch.manual_seed(args.seed + 1000 + rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -278,7 +268,7 @@ def bad_record(args, device: torch.device) -> None:
     shard = records[rank::world_size]
     torch.manual_seed(args.seed)
     model = nn.Linear(8, 1).to(device)
-    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp_model = DDP(model, device_ids=ddp_device_ids(device))
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
     batch_size = 4
     for step, first in enumerate(range(0, len(shard), batch_size)):
@@ -293,14 +283,10 @@ def bad_record(args, device: torch.device) -> None:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
-    if args.failure in ("mismatched-collective", "stuck-rank") and int(os.environ["WORLD_SIZE"]) < 2:
+    if args.failure in ("mismatched-collective", "stuck-rank") and int(os.environ.get("WORLD_SIZE", 1)) < 2:
         raise ScriptError(f"--failure {args.failure} needs at least 2 processes (torchrun --nproc_per_node=2)")
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=args.timeout))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    metrics = MetricsWriter(args.metrics, enabled=rank == 0)
-    metrics.write(**provenance(backend, world_size, device))
+    backend, device = start_process_group(args.backend, timeout_s=args.timeout)
+    metrics = open_metrics(args.metrics, backend, device)
     metrics.write(event="config", failure=args.failure, timeout=args.timeout,
                   env={name: os.environ.get(name) for name in DEBUG_VARIABLES})
     if args.failure == "mismatched-collective":

@@ -19,17 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (
-    GPT,
-    MODEL_SIZES,
-    MetricsWriter,
-    choose_backend,
-    positive_int,
-    provenance,
-    run_main,
-    synthetic_corpus,
-    use_single_process_defaults,
-)
+from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
+from dtbook.data import synthetic_corpus
+from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.model import GPT, MODEL_SIZES
 
 SETTINGS = {
     "default": {},
@@ -39,15 +32,13 @@ SETTINGS = {
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="tiny", help="GPT size (default tiny)")
     parser.add_argument("--steps", type=positive_int, default=30, help="timed steps per setting (default 30)")
     parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps per setting first (default 3)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per process (default 8)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     return parser.parse_args()
 
 
@@ -65,12 +56,9 @@ def autograd_nodes(loss: torch.Tensor) -> int:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
-    dist.init_process_group(backend=backend)
+    backend, device = start_process_group(args.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    metrics = MetricsWriter(args.metrics, enabled=rank == 0)
-    metrics.write(**provenance(backend, world_size, device))
+    metrics = open_metrics(args.metrics, backend, device)
 
     cfg = MODEL_SIZES[args.model]
     replicas = {}
@@ -78,7 +66,7 @@ def main() -> None:
         torch.manual_seed(args.seed)  # the same initial weights for every setting
         model = GPT(cfg).to(device)
         replicas[name] = (
-            DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **options),
+            DDP(model, device_ids=ddp_device_ids(device), **options),
             torch.optim.AdamW(model.parameters(), lr=1e-3),
         )
 

@@ -30,20 +30,10 @@ from torch.autograd import Variable
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (
-    GPT,
-    MODEL_SIZES,
-    MetricsWriter,
-    ScriptError,
-    TokenWindows,
-    choose_backend,
-    positive_float,
-    positive_int,
-    provenance,
-    run_main,
-    synthetic_corpus,
-    use_single_process_defaults,
-)
+from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
+from dtbook.data import TokenWindows, synthetic_corpus
+from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.model import GPT, MODEL_SIZES
 
 
 class MinimalDDP(nn.Module):
@@ -169,7 +159,7 @@ def parse_caps(text: str) -> list[float]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per process per step")
     parser.add_argument("--steps", type=positive_int, default=2,
@@ -181,9 +171,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-gradients", metavar="PATH",
                         help="rank 0 saves the last step's three gradients here (torch.save)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     return parser.parse_args()
 
 
@@ -191,13 +179,9 @@ def main() -> None:
     args = parse_args()
     if args.save_gradients and not os.access(Path(args.save_gradients).resolve().parent, os.W_OK):
         raise ScriptError(f"--save-gradients {args.save_gradients}: its directory does not exist or is not writable")
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
-    dist.init_process_group(backend=backend, init_method="env://")
+    backend, device = start_process_group(args.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
-    metrics = MetricsWriter(args.metrics, enabled=rank == 0)
-    metrics.write(**provenance(backend, world_size, device))
+    metrics = open_metrics(args.metrics, backend, device)
     cfg = MODEL_SIZES[args.model]
 
     # 1. Replication. Seeding with the rank gives every process a different random init on purpose.
@@ -210,7 +194,7 @@ def main() -> None:
     torch.manual_seed(args.seed + rank)
     fresh = GPT(cfg).to(device)
     ddp_before = distance_from_rank0(fresh)
-    ddp = DDP(fresh, bucket_cap_mb=args.bucket_cap_mb, **ddp_kwargs)
+    ddp = DDP(fresh, bucket_cap_mb=args.bucket_cap_mb, device_ids=ddp_device_ids(device))
     ddp_after = distance_from_rank0(ddp.module)
     same_start = max((p - q).abs().max().item()
                      for p, q in zip(model.parameters(), ddp.module.parameters(), strict=True))
@@ -266,7 +250,7 @@ def main() -> None:
     # 3. The buckets DDP really used. A post-accumulate hook counts gradients as they appear,
     # so each bucket's record says how much of backward was done when it went out.
     for cap in args.layout_caps_mb:
-        probe = DDP(copy.deepcopy(model), bucket_cap_mb=cap, **ddp_kwargs)
+        probe = DDP(copy.deepcopy(model), bucket_cap_mb=cap, device_ids=ddp_device_ids(device))
         index_of = {p: param_index[q] for p, q in zip(probe.module.parameters(), model.parameters(), strict=True)}
         ready = gradient_counter(probe.module)
         log: list[dict] = []

@@ -22,30 +22,17 @@ import argparse
 import statistics
 import time
 from functools import partial
-from itertools import cycle, islice
+from itertools import cycle
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
-from common import (
-    GPT,
-    MODEL_SIZES,
-    MetricsWriter,
-    TokenWindows,
-    choose_backend,
-    positive_float,
-    positive_int,
-    provenance,
-    run_main,
-    synthetic_corpus,
-    use_single_process_defaults,
-)
-
-LEARNING_RATE = 1e-2  # ch3_train.py's defaults: --lr, --corpus-tokens, --bucket-cap-mb
-CORPUS_TOKENS = 160_000
-BUCKET_CAP_MB = 25.0
+from dtbook.cli import add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
+from dtbook.data import DEFAULTS, corpus_windows, first_batches
+from dtbook.ddp_inspect import bucket_sizes
+from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.model import GPT, MODEL_SIZES
 
 
 def bucket_cap(text: str) -> float | None:
@@ -54,20 +41,18 @@ def bucket_cap(text: str) -> float | None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="samples per process (default 16)")
     parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per measurement (default 10)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="rounds of the three measurements (default 3)")
     parser.add_argument("--warmup", type=positive_int, default=2,
                         help="untimed steps before each measurement (default 2)")
-    parser.add_argument("--bucket-cap-mb", nargs="+", type=bucket_cap, default=[BUCKET_CAP_MB], metavar="MiB",
+    parser.add_argument("--bucket-cap-mb", nargs="+", type=bucket_cap, default=[DEFAULTS.bucket_cap_mb], metavar="MiB",
                         help=f"one table row per bucket size; 'default' is DDP's own layout, without "
-                             f"bucket_cap_mb (default: {BUCKET_CAP_MB:g}, as ch3_train.py)")
+                             f"bucket_cap_mb (default: {DEFAULTS.bucket_cap_mb:g}, as ch3_train.py)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     return parser.parse_args()
 
 
@@ -122,15 +107,14 @@ def measure(args, cap, batches, device) -> dict:
     """T_ddp, T_local and T_comm for one bucket size."""
     torch.manual_seed(args.seed)
     model = GPT(MODEL_SIZES[args.model]).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+    ddp = DDP(model, device_ids=ddp_device_ids(device),
               **({} if cap is None else {"bucket_cap_mb": cap}))
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=DEFAULTS.lr)
     data = cycle(batches)
     # DDP lays its buckets out again in the second forward, and reports the new layout from the third on.
     for _ in range(3):
         train_step(ddp, optimizer, data, skip_communication=False)
-    # _get_ddp_logging_data is private, but it is where DDP reports the bucket layout it chose.
-    bucket_bytes = [int(b) for b in ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(",")]
+    bucket_bytes = bucket_sizes(ddp)
     buffers = [torch.randn(n // 4, device=device) for n in bucket_bytes]  # fp32: 4 bytes per element
 
     functions = {"ddp": partial(train_step, ddp, optimizer, data, False),
@@ -148,19 +132,13 @@ def measure(args, cap, batches, device) -> dict:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
-    dist.init_process_group(backend=backend, init_method="env://")
+    backend, device = start_process_group(args.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    metrics = MetricsWriter(args.metrics, enabled=rank == 0)
-    metrics.write(**provenance(backend, world_size, device))
+    metrics = open_metrics(args.metrics, backend, device)
 
     cfg = MODEL_SIZES[args.model]  # the data of ch3_train.py: windows of a synthetic corpus, split by rank
-    dataset = TokenWindows(synthetic_corpus(CORPUS_TOKENS, cfg.vocab_size, args.seed), cfg.context)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
-    batches = [(x.to(device), y.to(device)) for x, y in islice(loader, 4)]
+    dataset = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
+    batches = first_batches(dataset, args.batch_size, rank, world_size, args.seed, 4, device)
 
     rows = []
     for cap in args.bucket_cap_mb:

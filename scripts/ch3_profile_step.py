@@ -15,38 +15,25 @@ otherwise fill a single bucket, whose all-reduce cannot start before the last gr
 
 import argparse
 import json
-from itertools import islice
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
-from torch.utils.data import DataLoader, DistributedSampler
 
-from common import (
-    GPT,
-    MODEL_SIZES,
-    RUNS_DIR,
-    MetricsWriter,
-    ScriptError,
-    TokenWindows,
-    choose_backend,
-    positive_float,
-    positive_int,
-    provenance,
-    run_main,
-    synthetic_corpus,
-    use_single_process_defaults,
-)
+from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
+from dtbook.data import DEFAULTS, corpus_windows, first_batches
+from dtbook.ddp_inspect import bucket_sizes
+from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.model import GPT, MODEL_SIZES
+from dtbook.paths import RUNS_DIR
 
-LEARNING_RATE = 1e-2  # ch3_train.py's defaults: --lr, --corpus-tokens
-CORPUS_TOKENS = 160_000
 REGIONS = ("forward", "backward", "optimizer")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="samples per process (default 16)")
     parser.add_argument("--bucket-cap-mb", type=positive_float, default=0.1,
@@ -56,9 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trace-dir", type=Path, default=RUNS_DIR / "ch3_profile_step",
                         help="where every rank writes rank<R>.json (default: runs/ch3_profile_step)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     args = parser.parse_args()
     if args.warmup < 2:
         raise ScriptError(f"--warmup must be at least 2: step 1 runs with DDP's provisional buckets, got {args.warmup}")
@@ -119,26 +104,21 @@ def overlap_ms(a: list[dict], b: list[dict]) -> float:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
     try:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ScriptError(f"cannot create --trace-dir {args.trace_dir}: {err.strerror}") from None
-    dist.init_process_group(backend=backend, init_method="env://")
+    backend, device = start_process_group(args.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     cfg = MODEL_SIZES[args.model]
-    dataset = TokenWindows(synthetic_corpus(CORPUS_TOKENS, cfg.vocab_size, args.seed), cfg.context)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=LEARNING_RATE)
+    ddp = DDP(model, device_ids=ddp_device_ids(device), bucket_cap_mb=args.bucket_cap_mb)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=DEFAULTS.lr)
 
-    batches = [(x.to(device), y.to(device)) for x, y in islice(loader, args.warmup + 1)]
+    dataset = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
+    batches = first_batches(dataset, args.batch_size, rank, world_size, args.seed, args.warmup + 1, device)
     for x, y in batches[:-1]:
         ddp(x, y).backward()
         optimizer.step()
@@ -160,8 +140,7 @@ def main() -> None:
     trace_path = args.trace_dir / f"rank{rank}.json"
     prof.export_chrome_trace(str(trace_path))
 
-    # _get_ddp_logging_data is private, but it is where DDP reports the bucket layout it chose.
-    buckets = len(ddp._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(","))
+    buckets = len(bucket_sizes(ddp))
     if rank == 0:
         intervals = read_intervals(trace_path)
         of = lambda kind: [i for i in intervals if i["kind"] == kind]
@@ -176,8 +155,7 @@ def main() -> None:
             "all_reduce_ms": busy_ms(in_progress),
             "all_reduce_during_gradient_computation_ms": overlap_ms(in_progress, computing),
         }
-        metrics = MetricsWriter(args.metrics)
-        metrics.write(**provenance(backend, world_size, device))
+        metrics = open_metrics(args.metrics, backend, device)
         for interval in intervals:
             metrics.write(event="interval", **interval)
         metrics.write(event="summary", **summary)

@@ -26,18 +26,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from common import (
-    GPT,
-    MODEL_SIZES,
-    MetricsWriter,
-    TokenWindows,
-    choose_backend,
-    positive_int,
-    provenance,
-    run_main,
-    synthetic_corpus,
-    use_single_process_defaults,
-)
+from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
+from dtbook.data import TokenWindows, synthetic_corpus
+from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.metrics import MetricsWriter
+from dtbook.model import GPT, MODEL_SIZES
 
 
 class Numbered(Dataset):
@@ -92,8 +85,7 @@ def count_effective_batch(args, device: torch.device, metrics: MetricsWriter) ->
     loader = DataLoader(windows, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
     torch.manual_seed(args.seed)
-    ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
-    model = DDP(GPT(cfg).to(device), **ddp_kwargs)
+    model = DDP(GPT(cfg).to(device), device_ids=ddp_device_ids(device))
     one_process = copy.deepcopy(model.module)  # the same model on one "big" process, for comparison
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -134,7 +126,7 @@ def count_effective_batch(args, device: torch.device, metrics: MetricsWriter) ->
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--dataset-size", type=positive_int, default=11, help="items in part 1's dataset")
     parser.add_argument("--epochs", type=positive_int, default=3, help="epochs to draw in part 1")
     parser.add_argument("--batch-size", type=positive_int, default=2,
@@ -143,19 +135,14 @@ def parse_args() -> argparse.Namespace:
                         help="part 2: micro-batches per optimizer step")
     parser.add_argument("--steps", type=positive_int, default=3, help="part 2: optimizer steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
-    dist.init_process_group(backend=backend, init_method="env://")
-    metrics = MetricsWriter(args.metrics, enabled=dist.get_rank() == 0)
-    metrics.write(**provenance(backend, dist.get_world_size(), device))
+    backend, device = start_process_group(args.backend)
+    metrics = open_metrics(args.metrics, backend, device)
     show_shards(args, metrics)
     count_effective_batch(args, device, metrics)
     metrics.close()

@@ -17,15 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common import (
-    MetricsWriter,
-    ScriptError,
-    choose_backend,
-    free_port,
-    positive_int,
-    provenance,
-    run_main,
-)
+from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
+from dtbook.distributed import choose_backend, open_metrics
+from dtbook.ports import free_port
 
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
 
@@ -46,8 +40,7 @@ def worker(rank: int, world_size: int, port: int, backend_request: str, metrics_
     dist.all_gather_object(everyone, {"rank": dist.get_rank(), "pid": os.getpid(), "parent_pid": os.getppid(),
                                       "env_found": found, "all_reduce": value.item()})
     if rank == 0:
-        metrics = MetricsWriter(metrics_path)
-        metrics.write(**provenance(backend, world_size, device))
+        metrics = open_metrics(metrics_path, backend, device)
         for who in everyone:
             metrics.write(event="process", **who)
         metrics.write(event="all_reduce", result=value.item(), expected=world_size * (world_size + 1) / 2)
@@ -61,11 +54,9 @@ def worker(rank: int, world_size: int, port: int, backend_request: str, metrics_
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = script_parser(__doc__)
     parser.add_argument("--nproc", type=positive_int, default=2, help="processes to spawn (default: 2)")
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if there is a GPU per process, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    add_backend_and_metrics(parser)
     return parser.parse_args()
 
 

@@ -19,7 +19,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from common import MetricsWriter, ScriptError, choose_backend, provenance, run_main, use_single_process_defaults
+from dtbook.cli import ScriptError, add_backend_and_metrics, run_main, script_parser
+from dtbook.distributed import open_metrics, start_process_group
 
 # The variables torchrun sets for every worker (TORCHELASTIC_* ones are collected too).
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -27,10 +28,8 @@ LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GRO
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
-    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+    parser = script_parser(__doc__)
+    add_backend_and_metrics(parser)
     return parser.parse_args()
 
 
@@ -39,10 +38,7 @@ def main() -> None:
     # Read the environment before anything fills in defaults: this is what the launcher gave us.
     launched = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     launched.update({k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_")})
-    use_single_process_defaults()
-    backend, device = choose_backend(args.backend)
-
-    dist.init_process_group(backend=backend, init_method="env://")
+    backend, device = start_process_group(args.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if (rank, world_size) != (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
         raise ScriptError(f"process group says rank {rank}/{world_size}, environment says "
@@ -60,8 +56,7 @@ def main() -> None:
         raise ScriptError(f"all_reduce counted {total.item():g} processes, expected {world_size}")
 
     if rank == 0:
-        metrics = MetricsWriter(args.metrics)
-        metrics.write(**provenance(backend, world_size, device))
+        metrics = open_metrics(args.metrics, backend, device)
         for who in everyone:
             metrics.write(event="process", **who)
         metrics.close()

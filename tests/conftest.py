@@ -3,7 +3,6 @@ import sys
 
 import pytest
 
-import support  # noqa: F401  (puts scripts/ and tools/ on sys.path)
 from support import REPO
 
 QUICK_BUILD = REPO / "_build" / "quick"

@@ -7,10 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-sys.path.insert(0, str(REPO / "tools"))
+from dtbook.paths import REPO_ROOT as REPO
+from dtbook.paths import SCRIPTS_DIR as SCRIPTS
 
 BIN = Path(sys.executable).parent
 

@@ -6,8 +6,9 @@
 Notebook sources in git carry no outputs. Each one is executed into a staging
 copy of the book, with its own folder as the working directory, and Jupyter
 Book builds the HTML from that copy with execution switched off and every
-warning treated as an error. A notebook is executed again only when its source,
-the helper module, or a companion script it names has changed.
+warning treated as an error. A notebook is executed again only when its source, its
+parameters, the book's library (scripts/dtbook), a companion script it names, or a script
+it launched the last time it ran has changed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,8 +25,11 @@ from pathlib import Path
 
 import yaml
 
+from dtbook.launch import LAUNCH_LOG_VARIABLE  # each launch appends the script's name to this file
+
 REPO = Path(__file__).resolve().parent.parent
 STAGED_TOP_LEVEL = ["_config.yml", "_toc.yml", "book", "scripts"]  # scripts: for literalinclude listings
+LIBRARY = "dtbook"  # scripts/dtbook: every notebook depends on all of it
 
 
 class BuildError(Exception):
@@ -62,14 +67,27 @@ def toc_notebooks(root: Path) -> list[Path]:
     return [p for p in (resolve_entry(e, root) for e in toc_entries(root / "_toc.yml")) if p.suffix == ".ipynb"]
 
 
-def fingerprint(notebook: Path, parameters: dict, scripts: Path) -> str:
-    """Hash of what an executed notebook depends on: itself, its parameters, the scripts it names."""
+def notebook_dependencies(notebook: Path, scripts: Path, launched: list[str]) -> list[Path]:
+    """The files an executed notebook's outputs depend on, besides the notebook itself.
+
+    The whole book library (``scripts/dtbook``), every script or file under ``scripts/`` whose name
+    the notebook mentions, and every script the notebook's last execution actually launched, which
+    catches a script launched under a computed name.
+    """
     text = notebook.read_text()
-    digest = hashlib.sha256(text.encode())
+    files = [p for p in scripts.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    library = {p for p in files if p.relative_to(scripts).parts[0] == LIBRARY}
+    named = {p for p in files if p.name in text}
+    ran = {scripts / name for name in launched if (scripts / name).is_file()}
+    return sorted(library | named | ran)
+
+
+def fingerprint(notebook: Path, parameters: dict, scripts: Path, launched: list[str]) -> str:
+    """Hash of what an executed notebook depends on: itself, its parameters, the library and its scripts."""
+    digest = hashlib.sha256(notebook.read_bytes())
     digest.update(json.dumps(parameters, sort_keys=True).encode())
-    for script in sorted(scripts.glob("*.py")):
-        if script.name == "common.py" or script.name in text:
-            digest.update(script.name.encode() + script.read_bytes())
+    for path in notebook_dependencies(notebook, scripts, launched):
+        digest.update(path.relative_to(scripts).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -122,18 +140,37 @@ def stage_and_execute(
     for notebook in toc_notebooks(root):
         rel = notebook.relative_to(root).as_posix()
         target = staging / rel
-        stamp = fingerprint(notebook, parameters, root / "scripts")
-        if not force and stamps.get(rel) == stamp and target.exists():
+        previous = stamps.get(rel) if isinstance(stamps.get(rel), dict) else {}
+        stamp = fingerprint(notebook, parameters, root / "scripts", previous.get("launched", []))
+        if not force and previous.get("stamp") == stamp and target.exists():
             report.append((rel, "skipped (unchanged)", 0.0))
             continue
         print(f"executing {rel} ...", flush=True)
         stamps.pop(rel, None)
         start = time.perf_counter()
-        execute(notebook, target, parameters, cell_timeout, root)
+        launched = execute_recording_launches(notebook, target, parameters, cell_timeout, root, out)
         report.append((rel, "executed", time.perf_counter() - start))
-        stamps[rel] = stamp
+        stamps[rel] = {"stamp": fingerprint(notebook, parameters, root / "scripts", launched),
+                       "launched": launched}
         stamps_path.write_text(json.dumps(stamps, indent=1))
     return report
+
+
+def execute_recording_launches(notebook: Path, target: Path, parameters: dict, cell_timeout: int, root: Path,
+                               out: Path) -> list[str]:
+    """Execute the notebook; return the scripts (relative to scripts/) that it launched."""
+    log = out / "launches.txt"
+    log.unlink(missing_ok=True)
+    saved = os.environ.get(LAUNCH_LOG_VARIABLE)
+    os.environ[LAUNCH_LOG_VARIABLE] = str(log)  # the kernel, and so the launcher, inherit it
+    try:
+        execute(notebook, target, parameters, cell_timeout, root)
+    finally:
+        if saved is None:
+            os.environ.pop(LAUNCH_LOG_VARIABLE, None)
+        else:
+            os.environ[LAUNCH_LOG_VARIABLE] = saved
+    return sorted(set(log.read_text().split())) if log.exists() else []
 
 
 def stage_mathjax(staging: Path) -> None:

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-import support  # noqa: F401  (puts scripts/ on sys.path)
-from common import GPT, MODEL_SIZES, read_metrics
+from dtbook.metrics import read_metrics
+from dtbook.model import GPT, MODEL_SIZES
 from support import run_python, run_torchrun
 
 ACCUM = 3

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-import support  # noqa: F401  (puts scripts/ on sys.path)
-from common import read_metrics
+from dtbook.metrics import read_metrics
 from support import run_python, run_torchrun
 
 SCRIPT = "ch3_failures.py"

@@ -1,18 +1,14 @@
 """Each check of the pipeline fails when its property breaks: fed a bad input, it says so."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 
 import nbformat
-import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from check_book import executed_problems, html_problems, source_problems
-from common import launch_torchrun
 from support import REPO
 
 KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
@@ -117,7 +113,7 @@ def test_builder_names_a_missing_toc_entry(tmp_path):
 def test_builder_fails_when_a_launched_script_fails(tmp_path):
     make_book(tmp_path, "notebooks/launches")
     write_notebook(tmp_path / "notebooks" / "launches.ipynb",
-                   "import sys; sys.path.insert(0, '../scripts')\nfrom common import launch_torchrun",
+                   "from dtbook.launch import launch_torchrun",
                    "launch_torchrun('ch2_hello_distributed.py', ['--backend', 'nccl'], nproc=1, timeout=60)")
     done = build(tmp_path)
     assert done.returncode != 0
@@ -140,67 +136,26 @@ def test_builder_skips_unchanged_notebooks_and_reruns_changed_ones(tmp_path):
     assert "y = 3" in "".join(executed["cells"][-1]["source"])
 
 
-# --- the launcher ---------------------------------------------------------------------------
-
-def test_launcher_raises_on_a_failed_run():
-    with pytest.raises(RuntimeError, match="exited with status"):
-        launch_torchrun("ch2_hello_distributed.py", ["--backend", "nccl"], nproc=1, timeout=60, quiet=True)
+def statuses(done) -> dict[str, str]:
+    return {line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if line.startswith("notebooks/")}
 
 
-def test_launcher_kills_a_hanging_run(tmp_path):
-    pid_file = tmp_path / "pid"
-    hang = tmp_path / "hang.py"
-    hang.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
-    start = time.monotonic()
-    with pytest.raises(TimeoutError):
-        launch_torchrun(str(hang), nproc=1, timeout=15, metrics=False, quiet=True)
-    assert time.monotonic() - start < 40
-    worker = int(pid_file.read_text())
-    time.sleep(1)
-    with pytest.raises(ProcessLookupError):
-        os.kill(worker, 0)  # the worker is gone, not orphaned
+def test_builder_reruns_what_depends_on_a_changed_library_file_or_launched_script(tmp_path):
+    """Every notebook depends on the whole library; a script counts even when launched by a computed name."""
+    make_book(tmp_path, "notebooks/plain", "notebooks/launcher")
+    write_notebook(tmp_path / "notebooks" / "plain.ipynb", "x = 1")
+    write_notebook(tmp_path / "notebooks" / "launcher.ipynb", "from dtbook.launch import launch_python",
+                   "name = 'ch2_' + 'hello_distributed.py'  # no script name appears in this notebook's text",
+                   "launch_python(name, ['--help'], metrics=False, timeout=60)")
+    out = tmp_path / "_build"
+    assert build(tmp_path, "--out", str(out)).returncode == 0
+    assert set(statuses(build(tmp_path, "--out", str(out))).values()) == {"skipped"}
 
-
-def test_launcher_reports_a_missing_torchrun(monkeypatch, tmp_path):
-    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="torchrun not found"):
-        launch_torchrun("ch2_hello_distributed.py", nproc=1, quiet=True)
-
-
-# --- the launcher's output filter -----------------------------------------------------------
-
-AGENT_STACK = [
-    "Traceback (most recent call last):\n",
-    '  File "/venv/bin/torchrun", line 8, in <module>\n',
-    "    sys.exit(main())\n",
-    '  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent\n',
-    "    raise ChildFailedError(\n",
-]
-
-
-def filtered(lines):
-    from common import AgentTracebackFilter
-
-    f = AgentTracebackFilter()
-    return [out for line in lines for out in f.feed(line)]
-
-
-def test_filter_replaces_the_agent_stack_but_keeps_the_failure_summary():
-    out = filtered(["[rank 1] error: bad flag\n", *AGENT_STACK,
-                    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n", "====\n", "Root Cause\n"])
-    assert out[0] == "[rank 1] error: bad flag\n"
-    assert "stack trace is omitted" in out[1]
-    assert out[2:] == ["====\n", "Root Cause\n"]
-
-
-def test_filter_keeps_a_launcher_error_that_is_not_a_worker_failure():
-    error = "torch.distributed.DistNetworkError: The server socket has failed to listen (EADDRINUSE)\n"
-    out = filtered([*AGENT_STACK[:3], error])
-    assert out[-1] == error
-
-
-def test_filter_leaves_a_workers_own_traceback_alone():
-    worker = ["Traceback (most recent call last):\n", '  File "scripts/x.py", line 3, in <module>\n',
-              "ValueError: the reader's bug\n"]
-    assert filtered(worker) == worker
+    with open(tmp_path / "scripts" / "dtbook" / "data.py", "a") as f:
+        f.write("# touched\n")
+    assert statuses(build(tmp_path, "--out", str(out))) == {"notebooks/plain.ipynb": "executed",
+                                                            "notebooks/launcher.ipynb": "executed"}
+    with open(tmp_path / "scripts" / "ch2_hello_distributed.py", "a") as f:
+        f.write("# touched\n")
+    assert statuses(build(tmp_path, "--out", str(out))) == {"notebooks/plain.ipynb": "skipped",
+                                                            "notebooks/launcher.ipynb": "executed"}

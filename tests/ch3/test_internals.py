@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-import support  # noqa: F401  (puts scripts/ on sys.path)
-from common import read_metrics
+from dtbook.metrics import read_metrics
 from support import run_python, run_torchrun
 
 NPROC = 2

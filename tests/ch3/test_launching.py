@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-import support  # noqa: F401  (puts scripts/ on sys.path)
-from common import ExitBarrierRaceFilter, launch_python, launch_torchrun_nodes, read_metrics
+from dtbook.launch import launch_python, launch_torchrun_nodes
+from dtbook.metrics import read_metrics
+from dtbook.output_filters import ExitBarrierRaceFilter
 from support import run_python, run_torchrun
 
 

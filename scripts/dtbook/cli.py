@@ -1,0 +1,74 @@
+"""Command-line plumbing every companion script shares: one-line errors and argparse helpers.
+
+A reader who mistypes a flag or asks for an impossible size gets one line that names the problem
+and a non-zero exit, never a traceback wall. Bugs in our own code still show their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+
+class ScriptError(Exception):
+    """A problem with the inputs or environment, reported as one line."""
+
+
+def run_main(main) -> None:
+    """Call ``main()``; turn a ScriptError into one line on stderr and exit 2.
+
+    Genuine bugs still show their traceback: those are for us to fix, while a
+    ScriptError is for the reader to fix and a traceback would only bury it.
+    """
+    try:
+        main()
+    except ScriptError as err:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def positive_int(text: str) -> int:
+    """argparse type for sizes and counts that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type for rates and sizes that must be greater than zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number greater than 0, got {text}")
+    return value
+
+
+def script_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser whose --help shows the script's docstring as written, usage examples included."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_backend_and_metrics(parser: argparse.ArgumentParser) -> None:
+    """The two flags every companion script has: which backend, and where rank 0 writes its metrics."""
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="process-group backend (default: nccl if every local rank has a GPU, else gloo)")
+    parser.add_argument("--metrics", help="rank 0 appends JSON lines here")
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one short line: torch.load's messages, for one, run to several paragraphs."""
+    text = str(err).strip()
+    first_sentence = text.splitlines()[0].split(". ")[0][:160] if text else "no detail"
+    return f"{type(err).__name__}: {first_sentence}"

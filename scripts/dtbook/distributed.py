@@ -1,0 +1,110 @@
+"""Backend and device choice, and process-group set-up, the same way in every companion script.
+
+``auto`` means NCCL with one GPU per local process where there are enough GPUs, else gloo on the
+CPU. Run without a launcher, a script becomes a world of one, so ``python script.py`` works too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dtbook.cli import ScriptError
+from dtbook.metrics import MetricsWriter
+from dtbook.ports import free_port
+
+
+def choose_backend(requested: str = "auto") -> tuple[str, torch.device]:
+    """Pick the process-group backend and this process's device.
+
+    Asking for ``nccl`` without enough GPUs is an error rather than a silent fallback: a run that
+    says nccl must be nccl. gloo always computes on the CPU here.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    enough_gpus = gpus >= local_world_size
+
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ScriptError(f"unknown backend {requested!r}: choose auto, gloo or nccl")
+    if requested == "nccl" and not enough_gpus:
+        raise ScriptError(
+            f"--backend nccl needs one CUDA GPU per local process: {local_world_size} "
+            f"process(es) on this node, {gpus} GPU(s) visible. Use --backend gloo (or auto) on CPU."
+        )
+    backend = requested if requested != "auto" else ("nccl" if gpus and enough_gpus else "gloo")
+    if backend == "gloo":
+        return backend, torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return backend, device
+
+
+def use_single_process_defaults() -> None:
+    """Let ``python script.py`` (no launcher) run as a world of one.
+
+    torchrun sets these variables; without it we fill in the same ones so the script's
+    ``init_process_group`` call works unchanged.
+    """
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def start_process_group(requested: str = "auto", timeout_s: float | None = None) -> tuple[str, torch.device]:
+    """Choose backend and device, then join the process group that torchrun's variables describe.
+
+    ``timeout_s`` bounds every collective: one that can never complete raises instead of hanging for
+    the default 10 (NCCL) or 30 (gloo) minutes.
+    """
+    use_single_process_defaults()
+    backend, device = choose_backend(requested)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    return backend, device
+
+
+def ddp_device_ids(device: torch.device) -> list[int] | None:
+    """DDP's ``device_ids``: this process's one GPU, or None for a CPU module."""
+    return [device.index] if device.type == "cuda" else None
+
+
+def device_name(device: torch.device) -> str:
+    """A human-readable name of the hardware a number came from."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance(backend: str, world_size: int, device: torch.device) -> dict:
+    """Where a run's numbers came from, recorded beside the numbers."""
+    return {
+        "event": "provenance",
+        "backend": backend,
+        "world_size": world_size,
+        "device": device.type,
+        "device_name": device_name(device),
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def open_metrics(path: str | Path | None, backend: str, device: torch.device) -> MetricsWriter:
+    """Rank 0's metrics file, its first record the run's provenance (other ranks get a no-op writer)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    metrics = MetricsWriter(path, enabled=rank == 0)
+    metrics.write(**provenance(backend, world_size, device))
+    return metrics

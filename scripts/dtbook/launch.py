@@ -1,0 +1,305 @@
+"""Run a companion script from a notebook: under torchrun, as several "nodes", or as plain python.
+
+Notebooks never run distributed code in their own kernel. They call ``launch_torchrun``, which
+prints the exact command (a reader can paste it into a terminal), streams the script's output,
+enforces a deadline by killing the whole process group, raises when the script fails, and returns
+the metrics that rank 0 wrote. This module does not import torch.
+
+When ``DTBOOK_LAUNCH_LOG`` names a file, every launch appends the script's name to it: the book
+builder uses that to know which scripts an executed notebook depends on.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dtbook.metrics import describe_provenance, read_metrics
+from dtbook.output_filters import AgentTracebackFilter, ExitBarrierRaceFilter
+from dtbook.paths import REPO_ROOT, RUNS_DIR, SCRIPTS_DIR
+from dtbook.ports import free_port
+
+LAUNCH_LOG_VARIABLE = "DTBOOK_LAUNCH_LOG"
+
+
+@dataclass
+class RunResult:
+    command: list[str]
+    returncode: int
+    output: str
+    seconds: float
+    metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def provenance(self) -> dict | None:
+        return next((m for m in self.metrics if m.get("event") == "provenance"), None)
+
+    def records(self, event: str) -> list[dict]:
+        return [m for m in self.metrics if m.get("event") == event]
+
+
+def launch_torchrun(
+    script: str,
+    args: list[str] | tuple[str, ...] = (),
+    nproc: int = 2,
+    timeout: float = 300,
+    metrics: bool = True,
+    check: bool = True,
+    torchrun_args: list[str] | tuple[str, ...] | None = None,
+    env: dict | None = None,
+    threads_per_process: int | None = None,
+    quiet: bool = False,
+) -> RunResult:
+    """Run ``scripts/<script>`` under torchrun, streaming its output.
+
+    Prints the exact command first, so a reader can paste it into a terminal.
+    With ``metrics=True`` a fresh ``--metrics PATH`` is appended to the script's
+    arguments and the JSON lines rank 0 wrote are returned. On a timeout or an
+    interrupt the whole process group (agent and workers) is killed. With
+    ``check=True`` a non-zero exit raises, because a plain ``!torchrun`` in a
+    notebook cell would let a failed run pass unnoticed.
+    """
+    script_path = _script_path(script)
+    launcher = [find_torchrun()]
+    if torchrun_args is None:
+        torchrun_args = ["--standalone", f"--nproc_per_node={nproc}"]
+    args, metrics_path = _script_args(script_path, args, metrics)
+    command = [*launcher, *torchrun_args, str(script_path), *args]
+    if not quiet:
+        print("$ " + _shown_command(["torchrun", *torchrun_args], script_path, args, metrics_path), flush=True)
+
+    cores = os.cpu_count() or 1
+    run_env = _child_env(env, threads_per_process or max(1, cores // max(1, nproc)))
+    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet)
+    return result
+
+
+@dataclass
+class NodesRunResult(RunResult):
+    """A run made of several torchrun agents, one per pretend node."""
+
+    commands: list[list[str]] = field(default_factory=list)  # commands[i] started node i's agent
+    agent_pids: list[int] = field(default_factory=list)  # agent_pids[i]: process id of node i's agent
+
+
+def launch_torchrun_nodes(
+    script: str,
+    args: list[str] | tuple[str, ...] = (),
+    nnodes: int = 2,
+    nproc_per_node: int = 1,
+    rdzv_backend: str = "c10d",
+    timeout: float = 300,
+    metrics: bool = True,
+    check: bool = True,
+    env: dict | None = None,
+    threads_per_process: int | None = None,
+    quiet: bool = False,
+) -> NodesRunResult:
+    """Play ``nnodes`` machines on this one: start one torchrun agent per "node".
+
+    Agent i gets ``--nnodes=N --node_rank=i --nproc_per_node=P`` and all agents
+    meet at one rendezvous on 127.0.0.1, as agents on separate hosts meet at the
+    first host's address. ``rdzv_backend="c10d"`` passes ``--rdzv-backend=c10d
+    --rdzv-endpoint --rdzv-id`` (the rendezvous then assigns node ranks itself);
+    ``"static"`` passes ``--master-addr/--master-port`` (``--node_rank`` is
+    honored). Output lines are prefixed with their node; metrics, streaming,
+    the timeout and clean-up work as in ``launch_torchrun``, for every agent.
+    """
+    if rdzv_backend not in ("c10d", "static"):
+        raise ValueError(f"rdzv_backend must be 'c10d' or 'static', got {rdzv_backend!r}")
+    script_path = _script_path(script)
+    launcher = [find_torchrun()]
+    args, metrics_path = _script_args(script_path, args, metrics)
+    port = free_port()
+    if rdzv_backend == "c10d":
+        meeting = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=book-{port}"]
+    else:
+        meeting = ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    per_node = [[f"--nnodes={nnodes}", f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}", *meeting]
+                for node in range(nnodes)]
+    commands = [[*launcher, *torchrun_args, str(script_path), *args] for torchrun_args in per_node]
+    if not quiet:
+        for node, torchrun_args in enumerate(per_node):
+            shown = _shown_command(["torchrun", *torchrun_args], script_path, args, metrics_path)
+            print(f"$ {shown}   # node {node}", flush=True)
+
+    cores = os.cpu_count() or 1
+    run_env = _child_env(env, threads_per_process or max(1, cores // max(1, nnodes * nproc_per_node)))
+    labels = [f"[node {node}] " for node in range(nnodes)]
+    result, pids = _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
+                                 filters=(AgentTracebackFilter, ExitBarrierRaceFilter))
+    return NodesRunResult(**vars(result), commands=commands, agent_pids=pids)
+
+
+def launch_python(
+    script: str,
+    args: list[str] | tuple[str, ...] = (),
+    timeout: float = 300,
+    metrics: bool = True,
+    check: bool = True,
+    env: dict | None = None,
+    threads_per_process: int | None = None,
+    quiet: bool = False,
+) -> RunResult:
+    """Run ``python scripts/<script> args...`` without a launcher; otherwise like ``launch_torchrun``.
+
+    For scripts that start their own processes (``torch.multiprocessing.spawn``)
+    and for a world of one. ``threads_per_process`` sets ``OMP_NUM_THREADS``
+    unless the environment already sets it.
+    """
+    script_path = _script_path(script)
+    args, metrics_path = _script_args(script_path, args, metrics)
+    command = [sys.executable, str(script_path), *args]
+    if not quiet:
+        print("$ " + _shown_command(["python"], script_path, args, metrics_path), flush=True)
+    run_env = _child_env(env, threads_per_process)
+    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet)
+    return result
+
+
+def _script_path(script: str) -> Path:
+    """The companion script's path; the launch is recorded for the book builder's dependency tracking."""
+    script_path = SCRIPTS_DIR / script
+    if not script_path.exists():
+        raise FileNotFoundError(f"no companion script {script_path}")
+    log = os.environ.get(LAUNCH_LOG_VARIABLE)
+    if log and script_path.resolve().is_relative_to(SCRIPTS_DIR):
+        with open(log, "a") as f:
+            f.write(script_path.resolve().relative_to(SCRIPTS_DIR).as_posix() + "\n")
+    return script_path
+
+
+def _script_args(script_path: Path, args, metrics: bool) -> tuple[list[str], str | None]:
+    """The script's arguments as strings, plus ``--metrics`` and a fresh file under runs/ when asked."""
+    args = [str(a) for a in args]
+    metrics_path = None
+    if metrics:
+        RUNS_DIR.mkdir(exist_ok=True)
+        fd, metrics_path = tempfile.mkstemp(prefix=f"{script_path.stem}-", suffix=".jsonl", dir=RUNS_DIR)
+        os.close(fd)
+        args += ["--metrics", metrics_path]
+    return args, metrics_path
+
+
+def _shown_command(launcher: list[str], script_path: Path, args: list[str], metrics_path: str | None) -> str:
+    """The command as a reader would type it in the repository root."""
+    shown = [*launcher, os.path.relpath(script_path, REPO_ROOT),
+             *[os.path.relpath(a, REPO_ROOT) if a == metrics_path else a for a in args]]
+    return shlex.join(shown)
+
+
+def _child_env(env: dict | None, threads: int | None) -> dict:
+    run_env = {**os.environ, **(env or {})}
+    if threads is not None:
+        run_env.setdefault("OMP_NUM_THREADS", str(threads))
+    run_env["PYTHONUNBUFFERED"] = "1"
+    return run_env
+
+
+def _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
+                  filters=None) -> tuple[RunResult, list]:
+    """Start each command in its own process group, stream their output, enforce one deadline.
+
+    Each process's output passes through fresh instances of ``filters`` (classes), in
+    order; the default is ``AgentTracebackFilter`` alone.
+    Returns the result and the process ids. On a timeout or an interrupt every
+    group is killed; with ``check`` any non-zero exit raises.
+    """
+    import selectors
+
+    filters = filters or (AgentTracebackFilter,)
+    start = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=run_env,
+            cwd=REPO_ROOT,
+            start_new_session=True,  # its own process group, so we can kill agent and workers together
+        )
+        for command in commands
+    ]
+    lines: list[str] = []
+    timed_out = False
+    try:
+        sel = selectors.DefaultSelector()
+        for proc, label in zip(procs, labels, strict=True):
+            sel.register(proc.stdout, selectors.EVENT_READ, (label, [make() for make in filters]))
+        deadline = start + timeout
+        while sel.get_map():
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                timed_out = True
+                break
+            ready = sel.select(timeout=min(remaining, 1.0))
+            if not ready:
+                if all(proc.poll() is not None for proc in procs):
+                    break
+                continue
+            for key, _ in ready:
+                line = key.fileobj.readline()
+                if not line:
+                    sel.unregister(key.fileobj)
+                    continue
+                label, line_filters = key.data
+                shown_lines = [line]
+                for line_filter in line_filters:
+                    shown_lines = [out for kept in shown_lines for out in line_filter.feed(kept)]
+                for shown_line in shown_lines:
+                    lines.append(label + shown_line)
+                    if not quiet:
+                        print(label + shown_line, end="", flush=True)
+    except KeyboardInterrupt:
+        for proc in procs:
+            _kill_group(proc)
+        raise
+    finally:
+        for proc in procs:
+            if timed_out:
+                _kill_group(proc)
+            proc.wait()
+    seconds = time.perf_counter() - start
+    returncode = next((proc.returncode for proc in procs if proc.returncode != 0), 0)
+
+    records = read_metrics(metrics_path) if metrics_path else []
+    result = RunResult(command=commands[0], returncode=returncode, output="".join(lines), seconds=seconds,
+                       metrics=records)
+    if timed_out:
+        raise TimeoutError(f"{script} did not finish within {timeout:.0f} s and was killed")
+    if result.provenance and not quiet:
+        print(describe_provenance(result.provenance))
+    if check and returncode != 0:
+        raise RuntimeError(f"{script} exited with status {returncode}; its output is above")
+    return result, [proc.pid for proc in procs]
+
+
+def find_torchrun() -> str:
+    """The torchrun that belongs to this Python (the venv's), else the first on PATH."""
+    beside = Path(sys.executable).with_name("torchrun")
+    found = str(beside) if beside.exists() else shutil.which("torchrun")
+    if not found:
+        raise FileNotFoundError(
+            f"torchrun not found beside {sys.executable} or on PATH: install torch into this environment (make venv)"
+        )
+    return found
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,86 @@
+"""The book's model: a small GPT (token and position embeddings, pre-norm blocks, a tied head).
+
+Small enough to train in seconds on a laptop CPU, real enough that its gradients, buckets and
+memory behave like a large language model's. ``MODEL_SIZES`` names the sizes the chapters use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    context: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+
+
+MODEL_SIZES = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=32),
+    "small": GPTConfig(n_layer=2, n_head=4, n_embd=64),
+    "medium": GPTConfig(n_layer=4, n_head=4, n_embd=128),
+    "large": GPTConfig(n_layer=6, n_head=8, n_embd=256),
+}
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """A small GPT: token + position embeddings, a stack of blocks, a tied head."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.context, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        # GPT-2's initialization. PyTorch's default N(0, 1) embedding, tied to the output head, would
+        # make the first logits huge and the first loss several times log(vocab_size).
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
