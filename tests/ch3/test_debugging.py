@@ -112,7 +112,7 @@ def test_find_unused_cost_benchmark_settings_agree(tmp_path):
     records = read_metrics(metrics)
     settings = {r["setting"]: r for r in records if r["event"] == "setting"}
     assert set(settings) == {"default", "find_unused_parameters", "static_graph"}
-    assert all(r["steps"] == 2 and r["median_s"] > 0 for r in settings.values())
+    assert all(r["steps"] == 2 for r in settings.values())
     summary = next(r for r in records if r["event"] == "summary")
     assert summary["autograd_nodes"] > 0
     assert summary["weight_difference"] == 0  # the flags change bookkeeping, never the arithmetic

@@ -1,7 +1,7 @@
 """Chapter 3, section 4: DDP's performance knobs do what the chapter says, and its measuring tools work.
 
 The measurements run on the tiny model with two processes; the tests check properties that hold
-whatever the timings are (timings on shared cores prove nothing and are only checked to be positive).
+whatever the timings are (timings on shared cores prove nothing and are not asserted).
 """
 
 import json
@@ -14,6 +14,7 @@ from dtbook.model import GPT, MODEL_SIZES
 from support import run_python, run_torchrun
 
 ACCUM = 3
+ACCUMULATION_TOLERANCE = 1e-4  # of the largest gradient entry; see the test below
 CAPS = [0.01, 0.03, 1.0]  # MiB; the tiny model's gradients take about 0.14 MiB
 
 
@@ -39,7 +40,12 @@ def test_no_sync_all_reduces_once_per_optimizer_step_and_accumulates_the_same_gr
     assert synced["all_reduces_per_optimizer_step"] == ACCUM * synced["buckets"]
     assert skipped["all_reduces_per_optimizer_step"] == skipped["buckets"]
     grads = of(knobs, "accumulation_grads")[0]
-    assert grads["allclose"] and grads["max_abs_difference"] < 1e-5
+    # The two loops add the same 3 x 2 gradient contributions in another order, so they differ by
+    # fp32 rounding, which scales with the size of the summed terms: measure it against the largest
+    # gradient entry. 1e-4 of it is about 800 float32 epsilons (2**-23), well above any summation
+    # order on any CPU (measured: about 5e-6), and far below the control: gradients that were never
+    # all-reduced (every micro-batch inside no_sync) are off by the order of the gradient itself.
+    assert grads["relative_difference"] < ACCUMULATION_TOLERANCE < grads["control_relative_difference"]
 
 
 def test_bucket_count_falls_as_the_cap_grows_and_buckets_cover_every_gradient(knobs):
@@ -54,7 +60,6 @@ def test_bucket_count_falls_as_the_cap_grows_and_buckets_cover_every_gradient(kn
         assert sum(r["bucket_bytes"]) == total  # every gradient in exactly one bucket
         if r["cap_mb"] is not None:  # a bucket closes once it reaches the cap, so it overshoots by < 1 parameter
             assert max(r["bucket_bytes"]) < r["cap_mb"] * 2**20 + largest
-        assert r["step_ms"] > 0
 
 
 def test_compression_hooks_send_half_the_bytes_with_a_small_nonzero_error(knobs):
@@ -76,8 +81,8 @@ def test_gradient_as_bucket_view_puts_gradients_inside_the_buckets_and_changes_n
     assert view["grads_in_buckets"] == view["params"]
     assert view["gradient_memory_bytes"] == view["bucket_bytes"] == view["grad_bytes"]
     assert default["gradient_memory_bytes"] == 2 * default["grad_bytes"]
+    assert set(configs) == {"default", "gradient_as_bucket_view=True", "static_graph=True"}
     assert all(r["max_weight_difference"] == 0.0 for r in configs.values())
-    assert "static_graph=True" in configs
 
 
 def test_forward_sync_buffers_copies_rank_0s_statistics_at_every_forward(knobs):
@@ -96,7 +101,6 @@ def test_overlap_benchmark_prints_its_table(tmp_path):
     assert [r["bucket_cap_mb"] for r in rows] == [0.01, 1]
     assert rows[0]["buckets"] > rows[1]["buckets"] == 1
     for r in rows:
-        assert min(r["t_ddp_ms"], r["t_local_ms"], r["t_comm_ms"]) > 0
         assert r["exposed_fraction"] == pytest.approx((r["t_ddp_ms"] - r["t_local_ms"]) / r["t_comm_ms"])
         printed = re.search(rf"^\s+{r['bucket_cap_mb']:g}\s+{r['buckets']}\s.*\s(-?\d+\.\d\d)$", done.stdout, re.M)
         assert printed and float(printed.group(1)) == pytest.approx(r["exposed_fraction"], abs=0.006)
