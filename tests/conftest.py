@@ -6,6 +6,7 @@ import pytest
 from support import REPO
 
 QUICK_BUILD = REPO / "_build" / "quick"
+_BUILD: dict = {}  # the one build of this session, kept so a failure is not rebuilt for every test
 
 
 @pytest.fixture(scope="session")
@@ -13,13 +14,16 @@ def quick_book():
     """Execute every notebook with QUICK=True and build the HTML once per test session.
 
     Unchanged notebooks are not re-executed (the builder fingerprints them), so a
-    second `make test` is quick; a clean clone executes everything.
+    second `make test` is quick; a clean clone executes everything. A failed build is
+    reported once and not retried by every test that needs it.
     """
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "build_book.py"), "--quick", "--out", str(QUICK_BUILD)],
-        capture_output=True, text=True, cwd=REPO, timeout=1500,
-    )
+    if "done" not in _BUILD:
+        _BUILD["done"] = subprocess.run(
+            [sys.executable, str(REPO / "tools" / "build_book.py"), "--quick", "--out", str(QUICK_BUILD)],
+            capture_output=True, text=True, cwd=REPO, timeout=1500,
+        )
+        print(_BUILD["done"].stdout[-3000:])
+    done = _BUILD["done"]
     if done.returncode != 0:
         pytest.fail(f"building the book failed:\n{done.stderr[-4000:]}\n{done.stdout[-4000:]}", pytrace=False)
-    print(done.stdout[-3000:])
     return QUICK_BUILD

@@ -1,5 +1,7 @@
 """Backend choice and the world of one, in-process (no process group is created here)."""
 
+import os
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from dtbook.cli import ScriptError
 from dtbook.distributed import choose_backend, ddp_device_ids, use_single_process_defaults
 
 NO_GPU = not torch.cuda.is_available()
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.mark.skipif(not NO_GPU, reason="with a GPU, nccl is a valid request")
@@ -27,10 +30,12 @@ def test_an_unknown_backend_is_refused():
 
 
 def test_without_a_launcher_the_world_has_one_process(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+    for name in LAUNCHER_VARIABLES:
+        # setenv first, so that monkeypatch restores the variable's absence after the test: a RANK
+        # leaking into this process would reach every script that the rest of the suite starts.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     use_single_process_defaults()
-    import os
 
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
     assert 0 < int(os.environ["MASTER_PORT"]) < 65536
@@ -40,7 +45,6 @@ def test_a_launchers_variables_are_left_alone(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     use_single_process_defaults()
-    import os
 
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("3", "4")
 
