@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -39,3 +40,36 @@ def _run(command, timeout, env, check) -> subprocess.CompletedProcess:
         raise AssertionError(f"{' '.join(command)} exited {done.returncode}\n--- stdout\n{done.stdout}\n"
                              f"--- stderr\n{done.stderr}")
     return done
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def load_script(script: str):
+    """Import ``scripts/<script>`` as a module (its ``main`` does not run)."""
+    path = SCRIPTS / script
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_in_process(script: str, *args, monkeypatch) -> int:
+    """Run the script's ``main`` through ``run_main`` in this process; return its exit code.
+
+    Only for inputs that fail before ``init_process_group``: it is the cheap way to test a
+    script's one-line errors (milliseconds instead of a Python start-up). The launcher variables
+    the script fills in for a world of one are restored afterwards.
+    """
+    from dtbook.cli import run_main
+
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.setenv(name, "")  # so that monkeypatch restores the variable's absence
+        monkeypatch.delenv(name)
+    module = load_script(script)
+    monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
+    try:
+        run_main(module.main)
+    except SystemExit as exit_:
+        return exit_.code
+    raise AssertionError(f"{script} {args} did not exit: it was expected to fail before init_process_group")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from support import run_python, run_torchrun
+from support import run_in_process, run_python, run_torchrun
 
 SCRIPT = "ch3_train.py"
 # The tiny model on a short corpus: 19 optimizer steps per epoch at a global batch of 16,
@@ -153,16 +153,27 @@ def file_in_the_way(tmp_path):
     (["--corpus-tokens", "500"], "corpus has only"),
     (["--resume"], "--checkpoint-dir"),
     (["--checkpoint-dir", "FILE_IN_THE_WAY"], "cannot write to --checkpoint-dir"),
-    (["--checkpoint-dir", "CORRUPT_ONLY", "--resume"], "can be read"),
 ])
-def test_bad_input_gives_one_line_error(args, problem, corrupt_only_dir, file_in_the_way):
+def test_bad_input_gives_one_line_error(args, problem, file_in_the_way, monkeypatch, capsys):
+    """Inputs refused before the process group exists, checked in-process (see the next test for a real run)."""
     if torch.cuda.is_available() and "nccl" in args:
         pytest.skip("this machine has GPUs, so nccl is valid")
-    args = [{"FILE_IN_THE_WAY": file_in_the_way, "CORRUPT_ONLY": corrupt_only_dir}.get(a, a) for a in args]
-    done = run_python(SCRIPT, "--model", "tiny", "--max-steps", "2", *args, check=False)
+    args = [file_in_the_way if a == "FILE_IN_THE_WAY" else a for a in args]
+    code = run_in_process(SCRIPT, "--model", "tiny", "--max-steps", "2", *args, monkeypatch=monkeypatch)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2
+    assert len(errors) == 1 and problem in errors[0], err
+    assert "Traceback" not in err
+
+
+def test_unreadable_checkpoints_are_one_line_in_a_real_run(corrupt_only_dir):
+    """The same contract end to end, for a check that needs the process group (rank 0 decides)."""
+    done = run_python(SCRIPT, "--model", "tiny", "--max-steps", "2", "--checkpoint-dir", corrupt_only_dir,
+                      "--resume", check=False)
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
-    assert done.returncode != 0
-    assert len(errors) == 1 and problem in errors[0], done.stderr
+    assert done.returncode == 2
+    assert len(errors) == 1 and "can be read" in errors[0], done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -174,12 +185,13 @@ def test_every_rank_reports_its_error():
     assert sorted(line.split("]")[0] for line in errors) == ["[rank 0", "[rank 1"]
 
 
-def test_help_lists_the_contract():
-    done = run_python(SCRIPT, "--help")
+def test_help_lists_the_contract(monkeypatch, capsys):
+    assert run_in_process(SCRIPT, "--help", monkeypatch=monkeypatch) == 0
+    out = capsys.readouterr().out
     for flag in ("--epochs", "--max-steps", "--batch-size", "--accum-steps", "--lr", "--seed", "--amp",
                  "--bucket-cap-mb", "--backend", "--checkpoint-dir", "--save-every", "--keep", "--resume",
                  "--metrics", "--crash-at-step"):
-        assert flag in done.stdout
+        assert flag in out
 
 
 @pytest.fixture(scope="module")

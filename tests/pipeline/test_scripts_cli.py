@@ -5,27 +5,19 @@ milliseconds instead of a Python start-up per script; tests/ch3/test_train.py ru
 contract end to end through a real process.
 """
 
-import importlib.util
 import sys
 
 import pytest
 
-from support import SCRIPTS
+from support import SCRIPTS, load_script
 
 PROGRAMS = sorted(p for p in SCRIPTS.glob("ch*.py"))
-
-
-def load(script):
-    spec = importlib.util.spec_from_file_location(script.stem, script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse(script, monkeypatch, *argv):
     monkeypatch.setattr(sys, "argv", [script.name, *argv])
     with pytest.raises(SystemExit) as exit_info:
-        load(script).parse_args()
+        load_script(script.name).parse_args()
     return exit_info.value.code
 
 
