@@ -309,6 +309,8 @@ def summarize(args, model, metrics, step: int, progress: Progress) -> None:
 def main() -> None:
     args = parse_args()
     use_single_process_defaults()
+    # Also pins MKL's GEMM code path, so that the same command gives the same bits every time
+    # (scripts/dtbook/reproducibility.py): kill-and-resume can then end with torch.equal weights.
     backend, device = choose_backend(args.backend)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = MODEL_SIZES[args.model]

@@ -15,9 +15,10 @@ BIN = Path(sys.executable).parent
 
 
 def _env(extra: dict | None) -> dict:
+    """This process's environment, one thread per process, plus ``extra`` (a value of None unsets)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.update(extra or {})
-    return env
+    return {name: value for name, value in env.items() if value is not None}
 
 
 def run_torchrun(script: str, *args, nproc: int = 2, timeout: float = 300, env: dict | None = None,

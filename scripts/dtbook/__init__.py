@@ -5,6 +5,7 @@ needs, in modules named for what they hold. It is split by the process that uses
 
 worker side (imported by the scripts that torchrun starts; these import torch)
     cli           one-line errors for bad input, argparse types, the flags every script shares
+    reproducibility  the setting that makes CPU matrix products reproducible bit for bit (MKL_CBWR)
     distributed   backend and device choice, a world of one without a launcher, process-group set-up
     metrics       JSON-lines metrics written by rank 0, and the provenance record of a run
     model         the book's small GPT and its sizes

@@ -17,14 +17,17 @@ import torch.distributed as dist
 from dtbook.cli import ScriptError
 from dtbook.metrics import MetricsWriter
 from dtbook.ports import free_port
+from dtbook.reproducibility import require_reproducible_cpu_math
 
 
 def choose_backend(requested: str = "auto") -> tuple[str, torch.device]:
     """Pick the process-group backend and this process's device.
 
     Asking for ``nccl`` without enough GPUs is an error rather than a silent fallback: a run that
-    says nccl must be nccl. gloo always computes on the CPU here.
+    says nccl must be nccl. gloo always computes on the CPU here. It also makes the CPU math of this
+    process reproducible bit for bit (see dtbook.reproducibility), before anything multiplies a matrix.
     """
+    require_reproducible_cpu_math()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -99,6 +102,7 @@ def provenance(backend: str, world_size: int, device: torch.device) -> dict:
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
     }
 
 

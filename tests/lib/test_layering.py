@@ -9,7 +9,7 @@ import pytest
 from support import SCRIPTS
 
 LIBRARY = SCRIPTS / "dtbook"
-NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli"}
+NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli", "reproducibility"}
 WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect"}
 SCRIPT_NAMES = {p.stem for p in SCRIPTS.glob("ch*.py")}
 
