@@ -8,6 +8,7 @@ For each collective and message size S the table shows, as nccl-tests defines th
 
   time    seconds per call: the median of --rounds rounds of back-to-back calls, each
           round starting on all ranks together and ending when its slowest rank is done
+          (fewer rounds, but at least 3, where --size-seconds would not hold them all)
   algbw   algorithm bandwidth, S / time
   busbw   bus bandwidth, algbw * b, with b = 2(N-1)/N for all_reduce, (N-1)/N for
           all_gather and reduce_scatter, 1 for broadcast: the rate at which each rank's
@@ -17,8 +18,9 @@ S is the float32 tensor every rank holds (all_reduce, broadcast), the gathered o
 (all_gather), or each rank's input (reduce_scatter). Before the sweep every rank times
 torch.Tensor.copy_ of a --copy-bytes buffer, all at once: the memory-copy bandwidth that
 data moving between processes on one machine cannot beat. After it, rank 0 fits
-t = a * alpha + b * S * beta (scripts/dtbook/cost_model.py) to the times and saves the
-model as JSON (--model-out), from which later chapters predict communication times.
+t = a * alpha + b * S * beta (scripts/dtbook/cost_model.py) to the times of
+--fit-collectives (default: all_reduce, the collective of DDP) and saves the model as
+JSON (--model-out), from which later chapters predict communication times.
 """
 
 import argparse
@@ -55,16 +57,23 @@ def parse_args() -> argparse.Namespace:
     add("--max-bytes", type=byte_size, default=256 * 2**20, help="largest message (default 256MiB)")
     add("--step", type=positive_int, default=4, help="each size is this many times the last (default 4)")
     add("--rounds", type=positive_int, default=5, help="timed rounds per size, median kept (default 5)")
+    add("--size-seconds", type=positive_float, default=3.0,
+        help="fewer rounds (at least 3) where --rounds would take longer than this (default 3)")
     add("--round-seconds", type=positive_float, default=0.02,
         help="a round makes as many calls as fill this many seconds, at least 1 (default 0.02)")
     add("--max-calls", type=positive_int, default=200, help="at most this many calls per round")
     add("--copy-bytes", type=byte_size, default=256 * 2**20,
         help="buffer for the memory-copy ceiling (default 256MiB)")
+    add("--fit-collectives", nargs="+", choices=COLLECTIVES, default=["all_reduce"],
+        help="fit the model to the times of these (default: all_reduce)")
     add("--model-out", default=str(MODEL_FILE), help=f"where to save the fit (default {MODEL_FILE})")
     add_backend_and_metrics(parser)
     args = parser.parse_args()
     if args.min_bytes > args.max_bytes:
         raise ScriptError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+    if not set(args.fit_collectives) <= set(args.collectives):
+        raise ScriptError(f"--fit-collectives {' '.join(args.fit_collectives)}: fit only what "
+                          f"--collectives measures ({' '.join(args.collectives)})")
     if args.step < 2:
         raise ScriptError("--step must be at least 2, or the sweep never reaches --max-bytes")
     return args
@@ -112,11 +121,13 @@ def sweep(args, device: torch.device) -> list[dict]:
     for name in args.collectives:
         for elements in message_elements(args, world_size):
             call = collective_call(name, elements, device)
-            calls = calls_per_round(call, args.round_seconds, args.max_calls, device)
-            per_call = seconds_per_call(call, calls, args.rounds, device)
+            calls, first = calls_per_round(call, args.round_seconds, args.max_calls, device)
+            rounds = max(3, min(args.rounds, int(args.size_seconds / (calls * first))))
+            per_call = seconds_per_call(call, calls, rounds, device)
             seconds, nbytes = statistics.median(per_call), elements * FLOAT32_BYTES
             rows.append({"collective": name, "world_size": world_size, "nbytes": nbytes,
-                         "seconds": seconds, "calls_per_round": calls, "round_seconds": per_call,
+                         "seconds": seconds, "calls_per_round": calls, "rounds": rounds,
+                         "round_seconds": per_call,
                          "algbw_GBps": nbytes / seconds / 1e9,
                          "busbw_GBps": bus_bandwidth(name, world_size, nbytes, seconds) / 1e9})
             del call  # free this size's tensors before allocating the next, larger ones
@@ -125,15 +136,6 @@ def sweep(args, device: torch.device) -> list[dict]:
 
 def measurement(row: dict) -> Measurement:
     return Measurement(row["collective"], row["world_size"], row["nbytes"], row["seconds"])
-
-
-def fitted_collectives(collectives: list[str], backend: str) -> list[str]:
-    """The collectives whose times follow the model's ring algorithms on this backend.
-
-    gloo has no reduce-scatter algorithm: PyTorch all-reduces the whole input and keeps one
-    chunk (ch2_collectives.py --who-uses shows it), so its times are measured, not fitted.
-    """
-    return [c for c in collectives if not (backend == "gloo" and c == "reduce_scatter")]
 
 
 def print_table(rows: list[dict], model: AlphaBeta | None) -> None:
@@ -159,21 +161,20 @@ def main() -> None:
         metrics.write(event="collective", **row)
 
     if rank == 0:
-        fit_on = fitted_collectives(args.collectives, backend)
+        fit_on = args.fit_collectives
         model = None
-        if world_size > 1 and fit_on:  # one process moves no data: there is nothing to fit
+        if world_size > 1:  # one process moves no data: there is nothing to fit
             model = AlphaBeta.fit([measurement(r) for r in rows if r["collective"] in fit_on],
                                   backend=backend, world_size=world_size, device=device.type,
                                   collectives=fit_on)
             model.save(args.model_out)
-        print(f"{world_size} process(es), {backend} on {device.type}; time: median of {args.rounds} "
-              f"rounds; model: the alpha-beta fit below")
+        print(f"{world_size} process(es), {backend} on {device.type}; time: median of up to "
+              f"{args.rounds} rounds; model: the alpha-beta fit below")
         print_table(rows, model)
         print(f"memory copy: {copy_Bps / 1e9:.2f} GB/s per process (Tensor.copy_ of "
               f"{format_bytes(args.copy_bytes)}, {world_size} process(es) copying at once)")
         if model is None:
-            print("no model fitted: that needs 2 or more processes and a collective besides "
-                  "gloo's reduce_scatter")
+            print("no model fitted: a world of one moves no data; run with 2 or more processes")
         else:
             errors = model.relative_errors(measurement(r) for r in rows if r["collective"] in fit_on)
             print(f"alpha-beta fit to {', '.join(fit_on)}: alpha = {model.alpha_s * 1e6:.1f} us, "

@@ -7,7 +7,7 @@
 Rank r starts from the values 10r, 10r+1, 10r+2, ... so each number tells where it came from: its tens
 digit is the rank that contributed it, and a reduced value is a mix. For each demonstration, every
 rank's tensors before and after the call are gathered to rank 0, printed as a grid with one row per
-rank, and written to --metrics. Then the script tries two operations that not every backend has,
+rank, and written to --metrics. Then the script tries three operations that not every backend has,
 prints the error this backend gives and runs the fallback; with --who-uses it also profiles a DDP
 and an FSDP2 training step and lists the collectives each phase called.
 """
@@ -291,12 +291,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def grid(rows: list) -> str:
-    """One line per rank, values as integers where they are."""
-    def cell(v):
-        return f"{v:g}" if isinstance(v, float) else str(v)
-    return "\n".join(f"    rank {r}: " + ("-" if row is None else " ".join(f"{cell(v):>5}" for v in row)
-                                          if isinstance(row, list) else row)
-                     for r, row in enumerate(rows))
+    """One line per rank: its values, '-' if it holds none, or the text of an object."""
+    lines = []
+    for rank, row in enumerate(rows):
+        if row is None:
+            shown = "-"
+        elif isinstance(row, list):
+            shown = " ".join(f"{value:>5g}" for value in row)
+        else:
+            shown = row
+        lines.append(f"    rank {rank}: {shown}")
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -26,7 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
-from dtbook.cli import ScriptError, add_backend_and_metrics, one_line, positive_float, run_main, script_parser
+from dtbook.cli import (
+    ScriptError,
+    add_backend_and_metrics,
+    one_line,
+    positive_float,
+    positive_int,
+    run_main,
+    script_parser,
+)
 from dtbook.distributed import choose_backend, open_metrics, use_single_process_defaults
 from dtbook.ports import free_port
 
@@ -37,11 +45,12 @@ def parse_args() -> argparse.Namespace:
                         help="env:// (default), tcp://HOST:PORT or file:///ABSOLUTE/PATH (a file that "
                              "does not exist yet, on storage every process can reach)")
     parser.add_argument("--timeout-s", type=positive_float, default=60.0,
-                        help="process-group timeout: a collective that cannot finish fails after this long")
+                        help="process-group timeout in seconds: a collective that cannot finish fails "
+                             "after this long (default 60)")
     parser.add_argument("--late-rank", type=int, help="only show a timeout: this rank is late at a barrier")
     parser.add_argument("--late-by-s", type=positive_float, default=30.0,
                         help="how late --late-rank arrives (default 30 s)")
-    parser.add_argument("--async-elements", type=int, default=2**22,
+    parser.add_argument("--async-elements", type=positive_int, default=2**22,
                         help="float32 elements all-reduced during computation (default 4Mi = 16 MiB)")
     add_backend_and_metrics(parser)
     args = parser.parse_args()
@@ -52,17 +61,29 @@ def parse_args() -> argparse.Namespace:
                           "e.g. torchrun --standalone --nproc_per_node=4 scripts/ch2_process_groups.py")
     if not args.init_method.startswith(("env://", "tcp://", "file://")):
         raise ScriptError(f"--init-method {args.init_method!r}: use env://, tcp://HOST:PORT or file:///PATH")
-    if (args.init_method.startswith("tcp://") and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and urlparse(args.init_method).port != int(os.environ["MASTER_PORT"])):
-        raise ScriptError(f"--init-method {args.init_method}: under torchrun every process connects to the "
-                          f"store torchrun's agent serves, MASTER_ADDR:MASTER_PORT (port "
-                          f"{os.environ['MASTER_PORT']}), and nobody would serve this port; use env:// or file://")
+    if args.init_method.startswith("tcp://"):
+        check_tcp_address(args.init_method)
     if args.late_rank is not None and not 0 < args.late_rank < world:
         raise ScriptError(f"--late-rank must be between 1 and {world - 1}: rank 0 stays on time to report")
     if args.late_rank is not None and args.late_by_s <= args.timeout_s:
         raise ScriptError(f"--late-by-s {args.late_by_s:g} must exceed --timeout-s {args.timeout_s:g}, "
                           "or the late rank arrives in time")
     return args
+
+
+def check_tcp_address(init_method: str) -> None:
+    """Refuse a tcp:// address that no process would serve, before waiting for it in vain."""
+    try:
+        port = urlparse(init_method).port
+    except ValueError:
+        port = None
+    if port is None:
+        raise ScriptError(f"--init-method {init_method}: tcp:// needs HOST:PORT, with a port number")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and port != int(os.environ["MASTER_PORT"]):
+        raise ScriptError(f"--init-method {init_method}: under torchrun every process connects to the "
+                          f"store torchrun's agent serves, MASTER_ADDR:MASTER_PORT (port "
+                          f"{os.environ['MASTER_PORT']}), and nobody would serve this port; use env:// "
+                          "or file://")
 
 
 def join(init_method: str, backend: str, device: torch.device,

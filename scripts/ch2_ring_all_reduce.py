@@ -160,7 +160,7 @@ def time_algorithms(args, device) -> list[dict]:
         tensor = torch.zeros(elements, device=device)  # zeros stay zeros, however often they are summed
         for name, algorithm in contenders.items():
             call = partial(algorithm, tensor)
-            calls = calls_per_round(call, args.round_seconds, args.max_calls, device)
+            calls, _ = calls_per_round(call, args.round_seconds, args.max_calls, device)
             per_call = seconds_per_call(call, calls, args.rounds, device)
             rows.append({"algorithm": name, "nbytes": elements * 4, "world_size": world,
                          "seconds": statistics.median(per_call), "calls_per_round": calls,

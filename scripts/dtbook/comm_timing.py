@@ -39,11 +39,11 @@ def seconds_per_call(fn: Callable[[], object], calls: int, rounds: int,
 
 
 def calls_per_round(fn: Callable[[], object], round_seconds: float, max_calls: int,
-                    device: torch.device) -> int:
-    """How many calls of ``fn`` fill a round of ``round_seconds``, the same number on every rank.
+                    device: torch.device) -> tuple[int, float]:
+    """How many calls of ``fn`` fill a round of ``round_seconds``, and the seconds of one.
 
-    One call is timed (it doubles as the warm-up that allocates buffers and connections), then
-    the count is derived from the slowest rank's time, so every rank makes the same number of calls.
+    One call is timed (it doubles as the warm-up that allocates buffers and connections), and
+    the count is derived from the slowest rank's time, so every rank makes as many calls.
     """
     first = seconds_per_call(fn, calls=1, rounds=1, device=device)[0]
-    return max(1, min(max_calls, int(round_seconds / first)))
+    return max(1, min(max_calls, int(round_seconds / first))), first

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dtbook.cli import ScriptError, byte_size, format_bytes
-from dtbook.cost_model import AlphaBeta
+from dtbook.cost_model import AlphaBeta, Measurement
 from dtbook.metrics import read_metrics
 from support import SCRIPTS, run_torchrun
 
@@ -47,7 +47,10 @@ def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(t
     (fit,) = [r for r in records if r["event"] == "fit"]
     assert {r["collective"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     assert sorted({r["nbytes"] for r in rows}) == [8, 64, 1024, 16384]  # 4 B rounds up to 2 floats
-    assert fit["collectives"] == ["all_reduce", "all_gather", "broadcast"], "gloo's reduce_scatter is not fitted"
+    assert fit["collectives"] == ["all_reduce"], "DDP's collective, by default"
+    fitted = AlphaBeta(fit["alpha_s"], fit["beta_s_per_byte"])
+    all_reduces = [measured(r) for r in rows if r["collective"] == "all_reduce"]
+    assert fit["relative_errors"] == pytest.approx(fitted.relative_errors(all_reduces))
 
     model = AlphaBeta.load(model_file)
     assert (model.alpha_s, model.beta_s_per_byte) == (fit["alpha_s"], fit["beta_s_per_byte"])
@@ -59,7 +62,11 @@ def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(t
         assert printed_time == pytest.approx(r["seconds"] * 1e6, abs=0.051)  # printed to 0.1 us
         predicted = model.predict(r["nbytes"], 2, r["collective"]) * 1e6
         assert printed_model == pytest.approx(predicted, abs=0.051)
-    assert "memory copy:" in done.stdout and "alpha-beta fit to all_reduce, all_gather, broadcast" in done.stdout
+    assert "memory copy:" in done.stdout and "alpha-beta fit to all_reduce:" in done.stdout
+
+
+def measured(row: dict) -> Measurement:
+    return Measurement(row["collective"], row["world_size"], row["nbytes"], row["seconds"])
 
 
 def load(script: str):
@@ -79,11 +86,14 @@ TORCHRUN_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.
     ("ch2_process_groups.py", ["--init-method", "udp://x"], {"WORLD_SIZE": "2"}, "use env://, tcp://"),
     ("ch2_process_groups.py", ["--init-method", "tcp://127.0.0.1:29999"], {"WORLD_SIZE": "2", **TORCHRUN_ENV},
      "nobody would serve this port"),
+    ("ch2_process_groups.py", ["--init-method", "tcp://127.0.0.1"], {"WORLD_SIZE": "2"}, "with a port number"),
     ("ch2_process_groups.py", ["--late-rank", "0"], {"WORLD_SIZE": "2"}, "--late-rank must be between 1 and 1"),
     ("ch2_process_groups.py", ["--late-rank", "1", "--timeout-s", "5", "--late-by-s", "5"], {"WORLD_SIZE": "2"},
      "must exceed --timeout-s"),
     ("ch2_bandwidth.py", ["--min-bytes", "1MiB", "--max-bytes", "1KiB"], {}, "larger than --max-bytes"),
     ("ch2_bandwidth.py", ["--step", "1"], {}, "--step must be at least 2"),
+    ("ch2_bandwidth.py", ["--collectives", "broadcast", "--fit-collectives", "all_reduce"], {},
+     "fit only what --collectives measures"),
 ])
 def test_impossible_requests_are_refused_before_any_process_group_exists(monkeypatch, script, argv, env, message):
     for name in ("WORLD_SIZE", *TORCHRUN_ENV):
