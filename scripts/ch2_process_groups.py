@@ -35,6 +35,7 @@ from dtbook.cli import (
     run_main,
     script_parser,
 )
+from dtbook.comm_timing import synchronize
 from dtbook.distributed import choose_backend, open_metrics, use_single_process_defaults
 from dtbook.ports import free_port
 
@@ -142,15 +143,19 @@ def overlap_all_reduce(elements: int, device: torch.device) -> dict:
     returned = time.perf_counter() - start
     completed_at_return = work.is_completed()
     compute(a)
+    synchronize(device)  # on a GPU, work is only queued until now: wait for it to run
     computed = time.perf_counter() - start
     work.wait()  # now `gradient` holds the sum (a GPU's current stream waits for it)
+    synchronize(device)
     finished = time.perf_counter() - start
     sum_correct = bool((gradient == world).all())
 
     start = time.perf_counter()  # for comparison: the same work, one after the other
     dist.all_reduce(torch.ones(elements, device=device))
+    synchronize(device)
     blocking = time.perf_counter() - start
     compute(a)
+    synchronize(device)
     one_after_the_other = time.perf_counter() - start
 
     # A handle's future can carry a continuation: DDP's communication hooks return such.
@@ -202,7 +207,7 @@ def late_barrier(late_rank: int, late_by_s: float) -> tuple[float, str | None]:
     try:
         dist.barrier()
         return time.perf_counter() - start, None
-    except RuntimeError as err:  # gloo and NCCL both raise (a DistBackendError is a RuntimeError)
+    except RuntimeError as err:  # gloo raises; NCCL's watchdog may end the process instead
         return time.perf_counter() - start, one_line(err)
 
 
