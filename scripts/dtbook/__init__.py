@@ -12,11 +12,14 @@ worker side (imported by the scripts that torchrun starts; these import torch)
     data          the deterministic synthetic corpus, token windows, the rank-aware loader, defaults
     checkpoint    atomic writes, RNG state, the newest readable checkpoint, weight fingerprints
     ddp_inspect   what a DistributedDataParallel instance reports about its buckets
+    comm_timing   timing collectives: rounds of back-to-back calls, the slowest rank's time
 
 notebook side (imported by notebooks and tests; these never import torch)
     paths           where the repository, the scripts and the run artefacts are
     launch          run a companion script under torchrun (or plain python) and collect its metrics
     output_filters  condense torchrun's own stack traces so a worker's one-line error stays visible
+    cost_model      the alpha-beta model of a collective's time: fit, save, load, predict (also
+                    used by the benchmark that fits it; no torch)
 
 One direction only: scripts and notebooks import dtbook; dtbook never imports a script, and the
 worker side never imports the launcher (tests/lib/test_layering.py checks both).

@@ -72,3 +72,25 @@ def one_line(err: BaseException) -> str:
     text = str(err).strip()
     first_sentence = text.splitlines()[0].split(". ")[0][:160] if text else "no detail"
     return f"{type(err).__name__}: {first_sentence}"
+
+
+
+BYTE_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def byte_size(text: str) -> int:
+    """argparse type for a size in bytes: 4096, 64KiB, 256MiB (binary units); at least 1."""
+    unit = next((u for u in ("KiB", "MiB", "GiB", "B") if text.endswith(u)), "B")
+    try:
+        value = float(text.removesuffix(unit)) * BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4096, 64KiB or 256MiB, got {text!r}") from None
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, at least 1, got {text}")
+    return int(value)
+
+
+def format_bytes(nbytes: float) -> str:
+    """4 B, 64 KiB, 1.5 MiB: the largest binary unit that keeps the number at least 1."""
+    unit = next(u for u in ("GiB", "MiB", "KiB", "B") if nbytes >= BYTE_UNITS[u] or u == "B")
+    return f"{nbytes / BYTE_UNITS[unit]:g} {unit}"

@@ -1,0 +1,124 @@
+"""Chapter 2, sections 2-5: what the notebooks do not run themselves.
+
+The notebooks (executed by the quick book build) assert the chapter's claims on 2 and 4 processes.
+Here: the ring on an odd number of processes, the benchmark's printed table against its metrics and
+its saved model, and the one-line refusals of inputs that cannot work, checked in-process.
+"""
+
+import importlib.util
+import re
+import sys
+
+import pytest
+
+from dtbook.cli import ScriptError, byte_size, format_bytes
+from dtbook.cost_model import AlphaBeta, Measurement
+from dtbook.metrics import read_metrics
+from support import SCRIPTS, run_torchrun
+
+
+def test_ring_on_three_processes_is_exact_and_sends_the_formula_bytes(tmp_path):
+    """Three ranks: unequal chunks for most lengths, and a world that is not a power of two."""
+    metrics = tmp_path / "m.jsonl"
+    lengths = [2, 3, 4099, 12288]
+    run_torchrun("ch2_ring_all_reduce.py", "--algorithms", "ring", "--sizes", "--check-elements", *lengths,
+                 "--metrics", metrics, nproc=3, timeout=240)
+    checks = [r for r in read_metrics(metrics) if r["event"] == "check"]
+    assert [c["elements"] for c in checks] == lengths
+    for c in checks:
+        n, sent = c["elements"], c["integers"]["sent"]
+        assert c["integers"]["bitwise_equal"] and c["integers"]["same_on_all_ranks"]
+        assert c["floats"]["rounding_units"] <= c["floats"]["bound_units"] == 4
+        assert c["floats"]["control_rounding_units"] > 1000 * c["floats"]["bound_units"]
+        assert sum(sent) == 2 * 2 * 4 * n, "each chunk crosses N-1 = 2 links in each phase"
+        if n % 3 == 0:
+            assert sent == [4 / 3 * 4 * n] * 3, "2(N-1)/N of the tensor from every rank"
+        else:
+            assert len(set(sent)) > 1, "unequal chunks: the ranks send different amounts"
+
+
+def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(tmp_path):
+    metrics, model_file = tmp_path / "m.jsonl", tmp_path / "model.json"
+    done = run_torchrun("ch2_bandwidth.py", "--max-bytes", "64KiB", "--step", 16, "--rounds", 1,
+                        "--round-seconds", 0.001, "--copy-bytes", "64KiB", "--model-out", model_file,
+                        "--metrics", metrics, nproc=2, timeout=240)
+    records = read_metrics(metrics)
+    rows = [r for r in records if r["event"] == "collective"]
+    (fit,) = [r for r in records if r["event"] == "fit"]
+    assert {r["collective"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert sorted({r["nbytes"] for r in rows}) == [8, 64, 1024, 16384]  # 4 B rounds up to 2 floats
+    assert fit["collectives"] == ["all_reduce"], "DDP's collective, by default"
+    fitted = AlphaBeta(fit["alpha_s"], fit["beta_s_per_byte"])
+    all_reduces = [measured(r) for r in rows if r["collective"] == "all_reduce"]
+    assert fit["relative_errors"] == pytest.approx(fitted.relative_errors(all_reduces))
+
+    model = AlphaBeta.load(model_file)
+    assert (model.alpha_s, model.beta_s_per_byte) == (fit["alpha_s"], fit["beta_s_per_byte"])
+    for r in rows:  # every row printed once, with its time and the model's prediction
+        size = format_bytes(r["nbytes"])
+        line = re.search(rf"^{r['collective']}\s+{size}\s+(\S+)\s+\S+\s+\S+\s+(\S+)$", done.stdout, re.M)
+        assert line, f"no table row for {r['collective']} {size}:\n{done.stdout}"
+        printed_time, printed_model = float(line.group(1)), float(line.group(2))
+        assert printed_time == pytest.approx(r["seconds"] * 1e6, abs=0.051)  # printed to 0.1 us
+        predicted = model.predict(r["nbytes"], 2, r["collective"]) * 1e6
+        assert printed_model == pytest.approx(predicted, abs=0.051)
+    assert "memory copy:" in done.stdout and "alpha-beta fit to all_reduce:" in done.stdout
+
+
+def measured(row: dict) -> Measurement:
+    return Measurement(row["collective"], row["world_size"], row["nbytes"], row["seconds"])
+
+
+def load(script: str):
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), SCRIPTS / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TORCHRUN_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+
+
+@pytest.mark.parametrize("script, argv, env, message", [
+    ("ch2_ring_all_reduce.py", [], {"WORLD_SIZE": "3"}, "recursive doubling needs a power-of-two number"),
+    ("ch2_collectives.py", [], {"WORLD_SIZE": "1"}, "at least 2 processes"),
+    ("ch2_process_groups.py", [], {"WORLD_SIZE": "1"}, "2 or more processes"),
+    ("ch2_process_groups.py", ["--init-method", "udp://x"], {"WORLD_SIZE": "2"}, "use env://, tcp://"),
+    ("ch2_process_groups.py", ["--init-method", "tcp://127.0.0.1:29999"], {"WORLD_SIZE": "2", **TORCHRUN_ENV},
+     "nobody would serve this port"),
+    ("ch2_process_groups.py", ["--init-method", "tcp://127.0.0.1"], {"WORLD_SIZE": "2"}, "with a port number"),
+    ("ch2_process_groups.py", ["--late-rank", "0"], {"WORLD_SIZE": "2"}, "--late-rank must be between 1 and 1"),
+    ("ch2_process_groups.py", ["--late-rank", "1", "--timeout-s", "5", "--late-by-s", "5"], {"WORLD_SIZE": "2"},
+     "must exceed --timeout-s"),
+    ("ch2_bandwidth.py", ["--min-bytes", "1MiB", "--max-bytes", "1KiB"], {}, "larger than --max-bytes"),
+    ("ch2_bandwidth.py", ["--step", "1"], {}, "--step must be at least 2"),
+    ("ch2_bandwidth.py", ["--collectives", "broadcast", "--fit-collectives", "all_reduce"], {},
+     "fit only what --collectives measures"),
+])
+def test_impossible_requests_are_refused_before_any_process_group_exists(monkeypatch, script, argv, env, message):
+    for name in ("WORLD_SIZE", *TORCHRUN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(ScriptError, match=re.escape(message)):
+        load(script).parse_args()
+
+
+def test_tcp_at_torchruns_own_store_is_accepted(monkeypatch):
+    """The control for the refusal above: the address torchrun's agent serves is fine."""
+    for name, value in {"WORLD_SIZE": "2", **TORCHRUN_ENV}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["ch2_process_groups.py", "--init-method", "tcp://127.0.0.1:29400"])
+    assert load("ch2_process_groups.py").parse_args().init_method == "tcp://127.0.0.1:29400"
+
+
+@pytest.mark.parametrize("text, problem", [("64kb", "expected a size"), ("0", "at least 1"),
+                                           ("1.5", "whole number"), ("inf", "whole number")])
+def test_sizes_in_bytes_are_parsed_or_refused(text, problem, monkeypatch, capsys):
+    assert [byte_size(t) for t in ("4", "8B", "64KiB", "1.5MiB", "2GiB")] == [4, 8, 65536, 1572864, 2**31]
+    assert [format_bytes(n) for n in (4, 65536, 1572864)] == ["4 B", "64 KiB", "1.5 MiB"]
+    monkeypatch.setattr(sys, "argv", ["ch2_bandwidth.py", "--max-bytes", text])
+    with pytest.raises(SystemExit) as exit_info:
+        load("ch2_bandwidth.py").parse_args()
+    assert exit_info.value.code == 2 and problem in capsys.readouterr().err
