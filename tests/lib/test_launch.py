@@ -1,12 +1,12 @@
 """The launcher notebooks use: it fails loudly, kills what hangs, and condenses torchrun's own noise."""
 
-import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from dtbook.launch import launch_torchrun
+from dtbook.launch import launch_python, launch_torchrun
 from dtbook.output_filters import AgentTracebackFilter
 
 # --- the launcher ---------------------------------------------------------------------------
@@ -16,18 +16,45 @@ def test_launcher_raises_on_a_failed_run():
         launch_torchrun("ch2_hello_distributed.py", ["--backend", "nccl"], nproc=1, timeout=60, quiet=True)
 
 
-def test_launcher_kills_a_hanging_run(tmp_path):
-    pid_file = tmp_path / "pid"
+HANGING_PARENT = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like torchrun's workers
+open(sys.argv[1], "w").write(f"{os.getpid()} {child.pid}")
+time.sleep(600)
+"""
+
+
+def test_launcher_kills_a_hanging_run_and_its_children(tmp_path):
+    """A run past its deadline is killed with every process it started: nothing is left orphaned.
+
+    The script starts a child as torchrun's agent starts workers, without torchrun's start-up time,
+    so the deadline can be short and still never fire before the processes exist.
+    """
+    pid_file = tmp_path / "pids"
     hang = tmp_path / "hang.py"
-    hang.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    hang.write_text(HANGING_PARENT)
     start = time.monotonic()
-    with pytest.raises(TimeoutError):
-        launch_torchrun(str(hang), nproc=1, timeout=15, metrics=False, quiet=True)
-    assert time.monotonic() - start < 40
-    worker = int(pid_file.read_text())
-    time.sleep(1)
-    with pytest.raises(ProcessLookupError):
-        os.kill(worker, 0)  # the worker is gone, not orphaned
+    with pytest.raises(TimeoutError, match="did not finish within 8 s"):
+        launch_python(str(hang), [pid_file], timeout=8, metrics=False, quiet=True)
+    assert time.monotonic() - start < 8 + 10  # the deadline, plus at most SIGTERM's grace period
+    assert pid_file.exists(), "the hanging script never started: raise the deadline on this machine"
+    survivors = [pid for pid in map(int, pid_file.read_text().split()) if still_running(pid)]
+    assert survivors == []  # gone, not orphaned
+
+
+def still_running(pid: int, grace_s: float = 5.0) -> bool:
+    """Whether ``pid`` is still running after a short grace. A zombie (exited, not yet reaped by
+    whoever adopted it) has stopped running, so it counts as gone."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_launcher_reports_a_missing_torchrun(monkeypatch, tmp_path):
