@@ -50,12 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def mean_loss_weights(sizes: list[int]) -> list[float]:
-    """Weights that turn micro-batch mean losses into the mean loss of all their windows: n_i / N."""
+    """What turns micro-batch mean losses into the mean over all windows: n_i / N."""
     return [n / sum(sizes) for n in sizes]
 
 
-def accumulated_gradients(model, x, y, sizes: list[int], weights: list[float]) -> list[torch.Tensor]:
-    """Split (x, y) into micro-batches of ``sizes``; backward each weighted mean loss; .grad sums them."""
+def accumulated_gradients(model, x, y, sizes: list[int],
+                          weights: list[float]) -> list[torch.Tensor]:
+    """Split (x, y) into micro-batches of ``sizes``, backward each weighted mean loss.
+
+    Nothing resets .grad between the backward passes, so it ends up holding their sum.
+    """
     model.zero_grad(set_to_none=True)
     for xs, ys, weight in zip(x.split(sizes), y.split(sizes), weights, strict=True):
         (model(xs, ys) * weight).backward()
@@ -70,16 +74,17 @@ def splits(args) -> list[dict]:
     equal = [m] * k
     unequal = [m] * (k - 1) + [args.last_micro_batch]
     short = [m] * (k // 2)  # an epoch that ends halfway through an accumulation group
+
+    def case(name, sizes, weights, right):
+        return {"case": name, "sizes": sizes, "weights": weights, "right": right}
+
+    right = mean_loss_weights
     return [
-        {"case": "equal micro-batches, loss / k", "sizes": equal, "weights": [1 / k] * k, "right": True},
-        {"case": "unequal micro-batches, loss / k", "sizes": unequal, "weights": [1 / k] * k,
-         "right": False},
-        {"case": "unequal micro-batches, loss x n_i / N", "sizes": unequal,
-         "weights": mean_loss_weights(unequal), "right": True},
-        {"case": "short last group, loss / accum-steps", "sizes": short, "weights": [1 / k] * len(short),
-         "right": False},
-        {"case": "short last group, loss x n_i / N", "sizes": short, "weights": mean_loss_weights(short),
-         "right": True},
+        case("equal micro-batches, loss / k", equal, [1 / k] * k, True),
+        case("unequal micro-batches, loss / k", unequal, [1 / k] * k, False),
+        case("unequal micro-batches, loss x n_i / N", unequal, right(unequal), True),
+        case("short last group, loss / accum-steps", short, [1 / k] * len(short), False),
+        case("short last group, loss x n_i / N", short, right(short), True),
     ]
 
 

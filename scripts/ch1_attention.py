@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Softmax(q k^T / sqrt(d)) v with a causal mask: every position sees itself and the past only.
+    """softmax(q k^T / sqrt(d)) v, causal: each position sees itself and the past.
 
     Autograd saves the (T x T) attention weights of every head for the backward pass.
     """

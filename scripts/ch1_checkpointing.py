@@ -83,18 +83,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in SAVED_BY_SELECTIVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Checkpointed(nn.Module):
-    """Runs one block under checkpoint: its inputs are kept, its activations recomputed in backward."""
+    """A block under checkpoint: its input is kept, its activations recomputed."""
 
-    def __init__(self, block: nn.Module, selective: bool = False, preserve_rng_state: bool = True):
+    def __init__(self, block: nn.Module, selective: bool = False,
+                 preserve_rng_state: bool = True):
         super().__init__()
         self.block = block
         self.preserve_rng_state = preserve_rng_state
-        self.context_fn = (functools.partial(create_selective_checkpoint_contexts, save_matmuls_and_attention)
-                           if selective else None)
+        self.context_fn = None
+        if selective:
+            self.context_fn = functools.partial(create_selective_checkpoint_contexts,
+                                                save_matmuls_and_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         extra = {"context_fn": self.context_fn} if self.context_fn else {}
@@ -114,16 +119,19 @@ class CheckpointedSequence(nn.Module):
         return checkpoint_sequential(self.blocks, self.segments, x, use_reentrant=False)
 
 
-def with_strategy(model: GPT, strategy: str, segments: int, preserve_rng_state: bool = True) -> GPT:
-    """A copy of ``model`` whose blocks run under ``strategy``; same parameters, in the same order."""
+def with_strategy(model: GPT, strategy: str, segments: int,
+                  preserve_rng_state: bool = True) -> GPT:
+    """A copy of ``model`` whose blocks run under ``strategy``; the same parameters."""
     model = copy.deepcopy(model)
     blocks = model.blocks
     if strategy == "every block":
-        model.blocks = nn.ModuleList(Checkpointed(b, preserve_rng_state=preserve_rng_state) for b in blocks)
+        model.blocks = nn.ModuleList(
+            Checkpointed(b, preserve_rng_state=preserve_rng_state) for b in blocks)
     elif strategy == "every other":
-        model.blocks = nn.ModuleList(Checkpointed(b) if i % 2 == 0 else b for i, b in enumerate(blocks))
+        model.blocks = nn.ModuleList(Checkpointed(b) if i % 2 == 0 else b
+                                     for i, b in enumerate(blocks))
     elif strategy == "sequential":
-        # GPT.forward iterates over model.blocks: one module that runs them all fits in unchanged.
+        # GPT.forward iterates over model.blocks: one module that runs them all fits in.
         model.blocks = nn.ModuleList([CheckpointedSequence(blocks, segments)])
     elif strategy == "selective":
         model.blocks = nn.ModuleList(Checkpointed(b, selective=True) for b in blocks)

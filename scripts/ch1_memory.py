@@ -72,27 +72,32 @@ def state_formula(n_params: int, n_tensors: int) -> dict[str, int]:
             "optimizer_state": 8 * n_params + 4 * n_tensors}
 
 
-def activation_formula(cfg: GPTConfig, batch: int, seq_len: int, precision: str) -> dict[str, int]:
-    """What autograd saves in one forward pass of the book's GPT on the CPU, term by term, in bytes.
+def activation_formula(cfg: GPTConfig, batch: int, seq_len: int,
+                       precision: str) -> dict[str, int]:
+    """What autograd saves in one forward pass of the book's GPT on the CPU, in bytes.
 
-    Per block, in units of B x T x C values: the residual stream entering each layer norm (2,
-    kept in fp32), the two layer-norm outputs (2), qkv (3), the attention output (1), the MLP's
-    hidden layer before and after GELU (4 + 4). Under bf16 autocast the matmuls' inputs and
-    outputs are bf16 and the bf16 copies of the weights are saved too.
+    Per block, in units of B x T x C values: the residual stream entering each layer
+    norm (2, kept in fp32), the two layer-norm outputs (2), qkv (3), the attention
+    output (1), the MLP's hidden layer before and after GELU (4 + 4). Under bf16
+    autocast the matmuls' inputs and outputs are bf16, and the bf16 copies of the
+    weights are saved too.
     """
-    b, t, c, h, v, n_layer = batch, seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
-    bt, btc = b * t, b * t * c
-    low = 2 if precision == "bf16" else 4  # bytes per value of a matmul's inputs and outputs
+    b, t, c, h, v = batch, seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size
+    n_layer, bt, btc = cfg.n_layer, b * t, b * t * c
+    low = 2 if precision == "bf16" else 4  # bytes of a matmul's input or output value
+    # Two layer norms keep a mean and 1/std per row; attention one log-sum-exp per head.
+    statistics = n_layer * (4 * bt + b * h * t) * 4
     terms = {
         "residual stream into 2 layer norms per block (fp32)": n_layer * 2 * btc * 4,
         "matmul inputs and outputs, 14 BTC per block": n_layer * 14 * btc * low,
-        "layer-norm statistics and attention logsumexp": n_layer * (4 * bt + b * h * t) * 4,
-        "final layer norm (input, output, statistics)": btc * 4 + btc * low + 2 * bt * 4,
+        "layer-norm statistics and attention logsumexp": statistics,
+        "final layer norm (input, output, statistics)": btc * (4 + low) + 2 * bt * 4,
         "log-softmax of the logits (BTV, fp32)": bt * v * 4,
         "token ids, targets, positions (int64), loss weight": 8 * (2 * bt + t) + 4,
     }
     if precision == "bf16":
-        terms["bf16 copies of the weights (12 C^2 per block + VC)"] = (n_layer * 12 * c * c + v * c) * 2
+        weights = n_layer * 12 * c * c + v * c
+        terms["bf16 copies of the weights (12 C^2 per block + VC)"] = weights * 2
     return terms
 
 
@@ -118,12 +123,12 @@ def cuda_allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
 
-def measure_step(cfg: GPTConfig, precision: str, x, y, seed: int, device: torch.device,
-                 track_peaks: bool = True) -> dict:
+def measure_step(cfg: GPTConfig, precision: str, x, y, seed: int,
+                 device: torch.device, track_peaks: bool = True) -> dict:
     """One training step that counts each kind of tensor after the phase that makes it.
 
-    With ``track_peaks``, two more steps run under MemTracker for their peak: one with the old
-    gradients kept (zeroed in place), one with them freed by zero_grad(set_to_none=True).
+    With ``track_peaks``, two more steps run under MemTracker for their peak: one with
+    the old gradients kept (zeroed in place), one with them freed (set_to_none=True).
     """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -160,8 +165,8 @@ def measure_step(cfg: GPTConfig, precision: str, x, y, seed: int, device: torch.
             cuda[f"after zero_grad(set_to_none={set_to_none})"] = cuda_allocated(device)
         if not track_peaks:
             continue
-        # A fresh tracker for each step: it registers the parameters, gradients and optimizer
-        # state that exist now, then follows every tensor the step creates.
+        # A fresh tracker for each step: it registers the parameters, gradients and
+        # optimizer state that exist now, then follows every tensor the step creates.
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
         with tracker:
@@ -169,7 +174,8 @@ def measure_step(cfg: GPTConfig, precision: str, x, y, seed: int, device: torch.
                 loss = model(x, y)
             loss.backward()
             optimizer.step()
-        record[f"memtracker_peak_{key}"] = tracker_categories(tracker.get_tracker_snapshot("peak")[device])
+        peak = tracker.get_tracker_snapshot("peak")[device]
+        record[f"memtracker_peak_{key}"] = tracker_categories(peak)
     if device.type == "cuda":
         record["cuda_allocated"] = {phase: n - before for phase, n in cuda.items()}
     return record

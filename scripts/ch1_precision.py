@@ -84,11 +84,11 @@ def build(args, device):
 
 
 def train(args, precision: str, batches, device):
-    """Train from the seed on ``batches``; return the model, the losses and the median step time.
+    """Train from the seed on ``batches``; return the model, losses and median step time.
 
-    With fp16 the loss is multiplied by the scaler's scale before backward, and scaler.step
-    unscales the gradients, skipping the step if any is inf or NaN. bf16 has fp32's exponent
-    range, so it needs no scaler: GradScaler(enabled=False) turns every call into a pass-through.
+    With fp16 the loss is multiplied by the scaler's scale before backward, and
+    scaler.step unscales the gradients, skipping the step if any is inf or NaN. bf16 has
+    fp32's exponent range and needs no scaler: GradScaler(enabled=False) passes through.
     """
     model, optimizer = build(args, device)
     dtype = PRECISIONS[precision]
@@ -105,7 +105,7 @@ def train(args, precision: str, batches, device):
         losses.append(loss.item())
 
     data = iter(batches)
-    step_ms = median_ms(lambda: step(*next(data)), repeats=len(batches) - 1, device=device)
+    step_ms = median_ms(lambda: step(*next(data)), len(batches) - 1, device)
     return model, losses, step_ms
 
 
@@ -212,7 +212,7 @@ def underflow(model, x, y, scale: float, tokens_per_batch: int) -> dict:
 
 
 def scaler_run(args, batches, device) -> list[dict]:
-    """fp16 training that records, every step, the scale used and whether the step was skipped."""
+    """fp16 training that records each step's scale and whether the step was skipped."""
     model, optimizer = build(args, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=args.init_scale,
                                   growth_interval=args.growth_interval)
@@ -221,16 +221,19 @@ def scaler_run(args, batches, device) -> list[dict]:
         with torch.autocast(device.type, dtype=torch.float16):
             loss = model(x, y)
         scaler.scale(loss).backward()
-        if step == args.inject_inf_at:
-            model.blocks[0].mlp[0].weight.grad.view(-1)[0] = math.inf  # what an overflow leaves behind
+        injected = step == args.inject_inf_at
+        if injected:  # what an overflow in backward leaves behind
+            model.blocks[0].mlp[0].weight.grad.view(-1)[0] = math.inf
         before = [p.detach().clone() for p in model.parameters()]
         scale = scaler.get_scale()
-        scaler.step(optimizer)  # unscales, checks for inf/NaN, and skips optimizer.step() if found
-        scaler.update()  # halves the scale after a skipped step, doubles it after enough clean ones
-        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        scaler.step(optimizer)  # unscales; skips optimizer.step() if it finds inf or NaN
+        scaler.update()  # halves the scale after a skip, doubles it after clean steps
+        after = model.parameters()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, after, strict=True))
         optimizer.zero_grad(set_to_none=True)
         rows.append({"step": step, "scale": scale, "next_scale": scaler.get_scale(),
-                     "weights_changed": changed, "loss": loss.item(), "injected": step == args.inject_inf_at})
+                     "weights_changed": changed, "loss": loss.item(),
+                     "injected": injected})
     return rows
 
 
