@@ -10,6 +10,7 @@ worker side (imported by the scripts that torchrun starts; these import torch)
     checkpoint    atomic writes, RNG state, the newest readable checkpoint, weight fingerprints
     ddp_inspect   what a DistributedDataParallel instance reports about its buckets
     comm_timing   timing collectives: rounds of back-to-back calls, the slowest rank's time
+    measure       bytes of parameters, gradients, optimizer state and saved activations; ATen ops; step times
 
 torch-free (the notebook side imports only these; workers use the first four too)
     cli             one-line errors for bad input, argparse types, the flags every script shares

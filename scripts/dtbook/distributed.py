@@ -73,6 +73,19 @@ def start_process_group(requested: str = "auto", timeout_s: float | None = None)
     return backend, device
 
 
+def start_single_device(requested: str = "auto") -> tuple[str, torch.device]:
+    """``start_process_group`` for a program that trains on one device: a world of one, or an error.
+
+    Chapter 1's programs follow the book's conventions, so they run unchanged under
+    ``torchrun --nproc_per_node=1``; started as several processes they would only repeat each other.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if world_size != 1:
+        raise ScriptError(f"this program trains on one device, but it was started as {world_size} "
+                          "processes: use torchrun --nproc_per_node=1 or plain python")
+    return start_process_group(requested)
+
+
 def ddp_device_ids(device: torch.device) -> list[int] | None:
     """DDP's ``device_ids``: this process's one GPU, or None for a CPU module."""
     return [device.index] if device.type == "cuda" else None

@@ -10,7 +10,7 @@ from support import SCRIPTS
 
 LIBRARY = SCRIPTS / "dtbook"
 NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli", "reproducibility", "cost_model"}
-WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect", "comm_timing"}
+WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect", "comm_timing", "measure"}
 SCRIPT_NAMES = {p.stem for p in SCRIPTS.glob("ch*.py")}
 
 

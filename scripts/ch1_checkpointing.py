@@ -1,0 +1,220 @@
+"""Activation checkpointing: trade recomputation for memory, and prove the gradients unchanged.
+
+    python scripts/ch1_checkpointing.py
+    python scripts/ch1_checkpointing.py --model large --batch-size 8 --repeats 10
+    torchrun --standalone --nproc_per_node=1 scripts/ch1_checkpointing.py
+
+The book's GPT is trained one step with each strategy, from the same weights, batch and RNG state:
+
+  none          autograd keeps every activation until backward
+  every block   torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) around each block
+  every other   the same around blocks 0, 2, 4, ...
+  sequential    checkpoint_sequential(blocks, --segments, x): its last segment is not checkpointed
+  selective     every block, but matmul and attention outputs are saved and only the cheap ops
+                (layer norm, GELU, dropout, views) recomputed: create_selective_checkpoint_contexts
+
+For each: the activations still held when the forward pass ends and the peak of the whole step
+(MemTracker, which sees tensors outside autograd's nodes, like the selective cache, too), the
+FLOPs of forward plus backward with the recomputation (FlopCounterMode), the median step time, and
+the largest gradient difference from the un-checkpointed model. Dropout is on (--dropout), so
+the recomputed forward must replay the same random masks: checkpoint restores the RNG state for
+that, and the control run with preserve_rng_state=False shows what happens when it does not.
+"""
+
+import argparse
+import copy
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
+from torch.utils.flop_counter import FlopCounterMode
+
+from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
+from dtbook.data import DEFAULTS, corpus_windows, first_batches
+from dtbook.distributed import open_metrics, start_single_device
+from dtbook.measure import median_ms
+from dtbook.model import GPT, MODEL_SIZES
+
+STRATEGIES = ["none", "every block", "every other", "sequential", "selective"]
+aten = torch.ops.aten
+# The expensive ops, whose outputs selective checkpointing keeps: matmuls and every SDPA kernel.
+SAVED_BY_SELECTIVE = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = script_parser(__doc__)
+    add = parser.add_argument
+    add("--model", choices=sorted(MODEL_SIZES), default="medium", help="model size (default: medium)")
+    add("--batch-size", type=positive_int, default=DEFAULTS.batch_size, help="windows per step (default: 16)")
+    add("--dropout", type=float, default=0.1,
+        help="dropout probability, on so that recomputation must replay the RNG (default: 0.1)")
+    add("--segments", type=positive_int, default=2, help="checkpoint_sequential's segments (default: 2)")
+    add("--repeats", type=positive_int, default=3, help="timed steps per strategy (default: 3)")
+    add("--seed", type=int, default=DEFAULTS.seed, help="seeds the corpus, the weights and dropout")
+    add_backend_and_metrics(parser)
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    n_layer = MODEL_SIZES[args.model].n_layer
+    if args.segments > n_layer:
+        raise ScriptError(f"--segments {args.segments} is more than the {n_layer} blocks of the "
+                          f"{args.model} model")
+    return args
+
+
+# --------------------------------------------------------------------------
+# The strategies, as wrappers around the book's blocks
+# --------------------------------------------------------------------------
+
+
+def save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in SAVED_BY_SELECTIVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed(nn.Module):
+    """A block under checkpoint: its input is kept, its activations recomputed."""
+
+    def __init__(self, block: nn.Module, selective: bool = False,
+                 preserve_rng_state: bool = True):
+        super().__init__()
+        self.block = block
+        self.preserve_rng_state = preserve_rng_state
+        self.context_fn = None
+        if selective:
+            self.context_fn = functools.partial(create_selective_checkpoint_contexts,
+                                                save_matmuls_and_attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        extra = {"context_fn": self.context_fn} if self.context_fn else {}
+        return checkpoint(self.block, x, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state, **extra)
+
+
+class CheckpointedSequence(nn.Module):
+    """All blocks as one module that checkpoint_sequential splits into ``segments``."""
+
+    def __init__(self, blocks: nn.ModuleList, segments: int):
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint_sequential(self.blocks, self.segments, x, use_reentrant=False)
+
+
+def with_strategy(model: GPT, strategy: str, segments: int,
+                  preserve_rng_state: bool = True) -> GPT:
+    """A copy of ``model`` whose blocks run under ``strategy``; the same parameters."""
+    model = copy.deepcopy(model)
+    blocks = model.blocks
+    if strategy == "every block":
+        model.blocks = nn.ModuleList(
+            Checkpointed(b, preserve_rng_state=preserve_rng_state) for b in blocks)
+    elif strategy == "every other":
+        model.blocks = nn.ModuleList(Checkpointed(b) if i % 2 == 0 else b
+                                     for i, b in enumerate(blocks))
+    elif strategy == "sequential":
+        # GPT.forward iterates over model.blocks: one module that runs them all fits in.
+        model.blocks = nn.ModuleList([CheckpointedSequence(blocks, segments)])
+    elif strategy == "selective":
+        model.blocks = nn.ModuleList(Checkpointed(b, selective=True) for b in blocks)
+    elif strategy != "none":
+        raise ValueError(f"unknown strategy {strategy!r}")
+    return model
+
+
+# --------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------
+
+
+def measured_step(model: GPT, x, y, seed: int, device) -> dict:
+    """One forward and backward from a fixed RNG state, watched by MemTracker and FlopCounterMode."""
+    tracker = MemTracker()
+    tracker.track_external(model)
+    flops = FlopCounterMode(display=False)
+    torch.manual_seed(seed)  # the same dropout masks for every strategy
+    with tracker, flops:
+        loss = model(x, y)
+        after_forward = tracker.get_tracker_snapshot()[device]
+        loss.backward()
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    category = {getattr(k, "name", k): v for k, v in after_forward.items()}
+    peak = {getattr(k, "name", k): v for k, v in peak.items()}
+    return {"activations_after_forward": category["ACT"], "peak_bytes": peak["Total"],
+            "peak_parameter_bytes": peak["PARAM"], "flops": flops.get_total_flops(), "grads": grads}
+
+
+def gradient_difference(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
+    """Largest entry-wise difference, and the largest reference entry it is to be judged against."""
+    return {"max_abs_difference": max((g - r).abs().max().item() for g, r in zip(grads, reference, strict=True)),
+            "max_abs_gradient": max(r.abs().max().item() for r in reference),
+            "bitwise_equal": all(torch.equal(g, r) for g, r in zip(grads, reference, strict=True))}
+
+
+def step_time_ms(model: GPT, x, y, repeats: int, device) -> float:
+    def step():
+        model(x, y).backward()
+        model.zero_grad(set_to_none=True)
+
+    return median_ms(step, repeats, device)
+
+
+def main() -> None:
+    args = parse_args()
+    backend, device = start_single_device(args.backend)
+    metrics = open_metrics(args.metrics, backend, device)
+    cfg = dataclasses.replace(MODEL_SIZES[args.model], dropout=args.dropout)
+    dataset = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
+    [(x, y)] = first_batches(dataset, args.batch_size, 0, 1, args.seed, 1, device)
+    torch.manual_seed(args.seed)
+    base = GPT(cfg).to(device)
+    print(f"{args.model} model ({cfg.n_layer} blocks), batch {args.batch_size} x {cfg.context}, "
+          f"dropout {args.dropout}, on {device}")
+
+    print(f"{'strategy':<13} {'kept after fwd':>15} {'peak':>12} {'GFLOP':>7} {'step ms':>8} {'max |dgrad|':>12}")
+    reference = None
+    for strategy in STRATEGIES:
+        model = with_strategy(base, strategy, args.segments)
+        row = measured_step(model, x, y, args.seed, device)
+        grads = row.pop("grads")
+        reference = reference or grads
+        row.update(gradient_difference(grads, reference))
+        row["step_ms"] = step_time_ms(model, x, y, args.repeats, device)
+        metrics.write(event="strategy", strategy=strategy, **row)
+        print(f"{strategy:<13} {row['activations_after_forward'] / 2**20:>11.2f} MiB "
+              f"{row['peak_bytes'] / 2**20:>8.2f} MiB {row['flops'] / 1e9:>7.3f} {row['step_ms']:>8.1f} "
+              f"{row['max_abs_difference']:>12.2e}")
+
+    # The control: recompute without restoring the RNG, so dropout draws different masks.
+    control = with_strategy(base, "every block", args.segments, preserve_rng_state=False)
+    row = measured_step(control, x, y, args.seed, device)
+    difference = gradient_difference(row.pop("grads"), reference)
+    metrics.write(event="control", strategy="every block, preserve_rng_state=False", **difference)
+    print(f"control, preserve_rng_state=False: max |dgrad| {difference['max_abs_difference']:.2e} "
+          f"(largest gradient entry {difference['max_abs_gradient']:.2e})")
+    metrics.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

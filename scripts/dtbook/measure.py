@@ -1,0 +1,130 @@
+"""Measuring one device: the bytes a training step holds, the kernels that ran, and step times.
+
+Chapter 1 counts memory as the bytes of tensors, never as the process's resident memory (RSS):
+RSS depends on the allocator, on freed-but-cached pages and on everything else the process did,
+while the bytes of the tensors a step holds are exact and the same on every run and every CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    storage = tensor.untyped_storage()
+    return storage.device, storage.data_ptr()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views and tied weights count once."""
+    sizes = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+    return sum(sizes.values())
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    return storage_bytes(model.parameters())
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    return storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Every tensor the optimizer keeps per parameter (AdamW: exp_avg, exp_avg_sq and step)."""
+    return storage_bytes(t for state in optimizer.state.values() for t in state.values()
+                         if isinstance(t, torch.Tensor))
+
+
+class SavedTensors:
+    """The tensors autograd saves for backward while the block runs, each storage once.
+
+        with SavedTensors(exclude=model.parameters()) as saved:
+            loss = model(x, y)
+        saved.bytes, saved.bytes_by_dtype()
+
+    A ``saved_tensors_hooks`` pack hook sees every tensor an autograd node stores.
+    Several nodes often save the same storage (q, k and v are views of one qkv output),
+    so storages are keyed by address; that is sound because every saved storage stays
+    alive until backward frees it. Every linear layer saves its weight, but parameters
+    are counted as parameters: ``exclude`` them. The hook cannot see memory kept outside
+    autograd's nodes, such as the cache of selective activation checkpointing;
+    MemTracker (torch.distributed._tools.mem_tracker) sees that too.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._excluded = {_storage_key(t) for t in exclude}
+        self.storages: dict[tuple, tuple[int, torch.dtype]] = {}
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self._excluded:
+            self.storages[key] = (tensor.untyped_storage().nbytes(), tensor.dtype)
+        return tensor
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for size, _ in self.storages.values())
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for size, dtype in self.storages.values():
+            name = str(dtype).removeprefix("torch.")
+            totals[name] = totals.get(name, 0) + size
+        return totals
+
+
+class AtenOps(TorchDispatchMode):
+    """Records every ATen operator that runs, with the dtype of its (first) output.
+
+    A dispatch mode sits below autograd and autocast, so it sees what really executes: the casts
+    autocast inserts, the matmul in bf16, the SDPA kernel that was picked for the call.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        dtype = str(first.dtype).removeprefix("torch.") if isinstance(first, torch.Tensor) else "-"
+        self.calls.append((func.overloadpacket.__name__, dtype))
+        return out
+
+    def names(self) -> set[str]:
+        return {name for name, _ in self.calls}
+
+
+def median_ms(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` untimed calls.
+
+    On CUDA, kernels run asynchronously: synchronize before reading the clock, or the time measured
+    is only how long it took to queue the work.
+    """
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)

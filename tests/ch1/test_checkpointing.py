@@ -1,0 +1,51 @@
+"""Chapter 1, section 3: checkpointing changes memory and compute, never the gradients."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dtbook.model import GPT, MODEL_SIZES
+
+# Recomputation repeats the same ops on the same inputs, so on a CPU the gradients come out bit for
+# bit equal (measured). The tolerance allows a few float32 epsilons of the largest gradient entry,
+# because bitwise equality is not promised: on a GPU a recomputation may pick another kernel.
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = dataclasses.replace(MODEL_SIZES["tiny"], dropout=0.1)  # dropout: the RNG must be replayed
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(cfg.vocab_size, (4, cfg.context), generator=gen) for _ in "xy")
+    return model, x, y
+
+
+def gradients(model, x, y):
+    torch.manual_seed(123)  # the same dropout masks for every variant
+    model(x, y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def relative_difference(grads, reference):
+    largest = max(r.abs().max().item() for r in reference)
+    return max((g - r).abs().max().item() for g, r in zip(grads, reference, strict=True)) / largest
+
+
+@pytest.mark.parametrize("strategy", ["every block", "every other", "sequential", "selective"])
+def test_checkpointed_gradients_equal_the_plain_models(checkpointing, setup, strategy):
+    model, x, y = setup
+    reference = gradients(checkpointing.with_strategy(model, "none", 2), x, y)
+    variant = checkpointing.with_strategy(model, strategy, 2)
+    assert [p.shape for p in variant.parameters()] == [p.shape for p in model.parameters()]
+    assert relative_difference(gradients(variant, x, y), reference) <= TOLERANCE
+
+
+def test_recomputing_without_the_rng_state_gives_wrong_gradients(checkpointing, setup):
+    """The control: new dropout masks in the recomputation must fail the same tolerance."""
+    model, x, y = setup
+    reference = gradients(checkpointing.with_strategy(model, "none", 2), x, y)
+    control = checkpointing.with_strategy(model, "every block", 2, preserve_rng_state=False)
+    assert relative_difference(gradients(control, x, y), reference) > 1000 * TOLERANCE
