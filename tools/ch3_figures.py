@@ -230,7 +230,7 @@ def torchrun_two_nodes(per_node: int = 2) -> str:
             ww = (node_w - 40) / per_node - 12
             rank = node * per_node + local
             svg.box(wx, wy, ww, 120, fill="#e8eef7")
-            svg.text(wx + ww / 2, wy + 20, f"worker: ch3_train.py", size=12, weight="bold")
+            svg.text(wx + ww / 2, wy + 20, "worker: ch3_train.py", size=12, weight="bold")
             for line, text in enumerate([f"RANK={rank}  LOCAL_RANK={local}",
                                          f"WORLD_SIZE={2 * per_node}",
                                          f"LOCAL_WORLD_SIZE={per_node}",
