@@ -26,10 +26,18 @@ KNOWN_CONSOLE_NOISE = (
 VIEWPORT = {"width": 1366, "height": 768}
 
 # Code blocks known to be wider than the page at VIEWPORT, each waiting for its owner to wrap
-# it: (page, text in the block's caption) -> why it is not fixed here. Remove an entry once fixed.
+# it: (page, text in the block's caption or first line) -> whose it is. Remove entries once fixed.
+CH2 = "notebooks/ch2_first_steps/01_first_distributed_program"
 KNOWN_WIDE_CODE = {
     ("notebooks/ch3_ddp/06_checkpointing_and_resuming", "scripts/slurm/ch3_train.sbatch"):
         "the cluster chapter's job script (issue #7, item 5)",
+    ("book/setup", "make book"): "the getting-started page",
+    ("book/setup", "make venv"): "the getting-started page",
+    ("book/setup", ".venv/bin/torchrun --standalone"): "the getting-started page",
+    (CH2, "# Parameters: the book uses the defaults"): "chapter 2",
+    (CH2, "scripts/ch2_hello_distributed.py"): "chapter 2",
+    (CH2, 'ranks = run.records("rank")'): "chapter 2",
+    (CH2, 'reduced = run.records("all_reduce")'): "chapter 2",
 }
 
 # Every code block a reader sees (cell inputs, listings, fenced code), not cell outputs; each as
@@ -81,16 +89,18 @@ def browser():
 
 def too_wide(entry: str, blocks: list[dict]) -> list[dict]:
     """The blocks that overflow their box, except those KNOWN_WIDE_CODE excuses on this page."""
-    excused = [caption for (page, caption) in KNOWN_WIDE_CODE if page == entry]
-    return [b for b in blocks if not any(caption in b["caption"] for caption in excused)]
+    excused = [text for (page, text) in KNOWN_WIDE_CODE if page == entry]
+    return [b for b in blocks if not any(text in b["caption"] or b["first"].startswith(text)
+                                         for text in excused)]
 
 
-def test_too_wide_excuses_only_the_listed_block_on_the_listed_page():
-    (page, caption), = KNOWN_WIDE_CODE
-    sbatch = {"caption": caption, "first": "#!/bin/bash", "overflow": 40}
+def test_too_wide_excuses_only_the_listed_blocks_on_their_pages():
+    sbatch = {"caption": "scripts/slurm/ch3_train.sbatch", "first": "#!/bin/bash", "overflow": 40}
     cell = {"caption": "", "first": "x = 1", "overflow": 3}
-    assert too_wide(page, [sbatch, cell]) == [cell]
-    assert too_wide("book/intro", [sbatch]) == [sbatch]
+    make = {"caption": "", "first": "make book   # create .venv", "overflow": 9}
+    assert too_wide("notebooks/ch3_ddp/06_checkpointing_and_resuming", [sbatch, cell]) == [cell]
+    assert too_wide("book/intro", [sbatch, make]) == [sbatch, make]
+    assert too_wide("book/setup", [make, cell]) == [cell]
 
 
 @pytest.mark.parametrize("entry", toc_entries(REPO / "_toc.yml"))
