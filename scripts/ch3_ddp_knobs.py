@@ -9,16 +9,20 @@ scripts/ch3_train.py, and changes one thing:
   buckets       step time and bucket count for a sweep of bucket_cap_mb values (on --sweep-model)
   accumulation  gradient accumulation with and without no_sync: all-reduces per optimizer step,
                 step time, and whether the accumulated gradients agree
-  precision     fp32 against bf16 autocast (and fp16 with GradScaler when the device is CUDA)
+  precision     fp32 against bf16 autocast and fp16 autocast with a GradScaler
+  scaling       GradScaler step by step: an overflow skips the step and halves the scale,
+                clean steps grow it; one rank's overflow makes every rank skip; and why
+                scaler.unscale_(optimizer) must come before clip_grad_norm_
   options       gradient_as_bucket_view and static_graph: gradient memory, step time, same weights?
   buffers       forward_sync_buffers (formerly broadcast_buffers) on a model with BatchNorm statistics
   compression   fp16_compress_hook and bf16_compress_hook: bytes handed to all_reduce, gradient error
 
 Rank 0 prints a table per experiment and writes one JSON line per measurement to --metrics.
-Step times are medians over --steps steps, as seen by the slowest rank.
+A step's time is that of its slowest rank; tables show the median over --steps steps.
 """
 
 import argparse
+import math
 import statistics
 import time
 from contextlib import nullcontext
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
@@ -36,7 +41,8 @@ from dtbook.ddp_inspect import bucket_sizes
 from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 
-EXPERIMENTS = ["buckets", "accumulation", "precision", "options", "buffers", "compression"]
+EXPERIMENTS = ["buckets", "accumulation", "precision", "scaling", "options", "buffers",
+               "compression"]
 WARMUP_STEPS = 2  # the first step differs: DDP lays its buckets out again once it has seen gradient order
 
 
@@ -59,6 +65,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, default=5, help="timed steps per configuration (default 5)")
     parser.add_argument("--precision-steps", type=positive_int, default=30,
                         help="training steps per precision, for the loss curves (default 30, at least 2)")
+    parser.add_argument("--scaling-steps", type=positive_int, default=16,
+                        help="fp16 steps in the GradScaler experiment (default 16)")
+    parser.add_argument("--growth-interval", type=positive_int, default=4,
+                        help="GradScaler growth_interval in that experiment (default 4; torch's is 2000)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     add_backend_and_metrics(parser)
     args = parser.parse_args()
@@ -125,17 +135,24 @@ class Session:
             times.append((time.perf_counter() - start) * 1000)
         return results, times
 
-    def slowest_median(self, times_ms) -> float:
-        """Median over this rank's calls, then the largest median over ranks: the job runs at its slowest rank."""
-        median = torch.tensor([statistics.median(times_ms)], device=self.device)
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)
-        return median.item()
+    def slowest_times(self, times_ms) -> list[float]:
+        """Each call's time on its slowest rank: a synchronized job waits for that one."""
+        per_call = torch.tensor(times_ms, device=self.device)
+        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+        return per_call.tolist()
 
-    def median_step_ms(self, step, steps) -> float:
+    def slowest_median(self, times_ms) -> float:
+        return statistics.median(self.slowest_times(times_ms))
+
+    def step_times_ms(self, step, steps) -> list[float]:
+        """``steps`` timed calls of ``step`` after WARMUP_STEPS untimed ones."""
         for _ in range(WARMUP_STEPS):
             step()
         dist.barrier()
-        return self.slowest_median(self.timed(step, steps)[1])
+        return self.slowest_times(self.timed(step, steps)[1])
+
+    def median_step_ms(self, step, steps) -> float:
+        return statistics.median(self.step_times_ms(step, steps))
 
     def record(self, event, **fields):
         self.metrics.write(event=event, **fields)
@@ -153,9 +170,10 @@ class BucketLog:
         self.calls = []  # (data_ptr, bytes, elements) of each bucket buffer, in call order
 
 
-def logged_hook(log: BucketLog, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def logged_hook(log: BucketLog, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     buffer = bucket.buffer()
-    log.calls.append((buffer.data_ptr(), buffer.numel() * buffer.element_size(), buffer.numel()))
+    nbytes = buffer.numel() * buffer.element_size()
+    log.calls.append((buffer.data_ptr(), nbytes, buffer.numel()))
     return log.hook(None, bucket)  # None: the default process group
 
 
@@ -173,25 +191,28 @@ def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 def sweep_buckets(s: Session) -> None:
-    """Smaller buckets start all-reducing earlier but pay a fixed cost per all-reduce; find the balance."""
-    s.say(f"\n== buckets: step time against bucket_cap_mb ({s.args.sweep_model} model)")
+    """Small buckets start all-reducing earlier but pay a fixed cost per call."""
+    s.say(f"\n== buckets: step time by bucket_cap_mb ({s.args.sweep_model} model)")
     s.say(f"{'bucket_cap_mb':>14} {'buckets':>7} {'largest MiB':>11} {'step ms':>8}")
     for cap in [*s.args.bucket_caps, None]:
         options = {"bucket_cap_mb": cap}  # None: DDP's default layout
         ddp, optimizer = s.build_ddp(s.args.sweep_model, **options)
-        step_ms = s.median_step_ms(s.training_step(ddp, optimizer), s.args.steps)
+        times = s.step_times_ms(s.training_step(ddp, optimizer), s.args.steps)
+        step_ms = statistics.median(times)
         sizes = bucket_sizes(ddp)
-        s.record("buckets", model=s.args.sweep_model, cap_mb=cap, buckets=len(sizes), bucket_bytes=sizes,
-                 step_ms=step_ms)
+        s.record("buckets", model=s.args.sweep_model, cap_mb=cap, buckets=len(sizes),
+                 bucket_bytes=sizes, step_ms=step_ms, step_ms_all=times)
         label = "default" if cap is None else f"{cap:g}"
-        s.say(f"{label:>14} {len(sizes):>7} {max(sizes) / 2**20:>11.3f} {step_ms:>8.1f}")
+        largest = max(sizes) / 2**20
+        s.say(f"{label:>14} {len(sizes):>7} {largest:>11.3f} {step_ms:>8.1f}")
 
 
 def compare_accumulation(s: Session) -> None:
-    """Accumulate K micro-batches: all-reduce after each, or only after the last one (no_sync)."""
+    """Accumulate K micro-batches: all-reduce after each, or only after the last."""
     accum = s.args.accum_steps
     micro_batches = s.batches[:accum]
-    s.say(f"\n== accumulation: {accum} micro-batches of {s.args.batch_size} per optimizer step")
+    s.say(f"\n== accumulation: {accum} micro-batches of {s.args.batch_size} "
+          "per optimizer step")
     results = {}
     for skip_sync in (False, True):
         log = BucketLog(default_hooks.allreduce_hook)
@@ -201,7 +222,8 @@ def compare_accumulation(s: Session) -> None:
         def accumulate(ddp=ddp, skip_sync=skip_sync):
             for i, (x, y) in enumerate(micro_batches):
                 last = i == accum - 1
-                # Inside no_sync DDP's hooks only accumulate locally; the backward after it reduces the sum.
+                # Inside no_sync, DDP's hooks only accumulate locally; the backward
+                # after it reduces the sum.
                 with ddp.no_sync() if skip_sync and not last else nullcontext():
                     (ddp(x, y) / accum).backward()
 
@@ -210,7 +232,7 @@ def compare_accumulation(s: Session) -> None:
             optimizer.step()
             optimizer.zero_grad()
 
-        optimizer_step()  # settles the bucket layout, so the counts below are for the steady state
+        optimizer_step()  # settles the bucket layout: the counts below are steady
         log.calls.clear()
         accumulate()
         all_reduces = len(log.calls)
@@ -219,12 +241,15 @@ def compare_accumulation(s: Session) -> None:
         step_ms = s.median_step_ms(optimizer_step, s.args.steps)
         results[skip_sync] = grads
         mode = "no_sync" if skip_sync else "sync every micro-batch"
-        s.record("accumulation", mode=mode, accum_steps=accum, batch_size=s.args.batch_size,
-                 buckets=len(bucket_sizes(ddp)), all_reduces_per_optimizer_step=all_reduces, step_ms=step_ms)
+        buckets = len(bucket_sizes(ddp))
+        s.record("accumulation", mode=mode, accum_steps=accum,
+                 batch_size=s.args.batch_size, buckets=buckets,
+                 all_reduces_per_optimizer_step=all_reduces, step_ms=step_ms)
         s.say(f"{mode:>24}: {all_reduces} all-reduce call(s) per optimizer step, "
-              f"{len(bucket_sizes(ddp))} bucket(s), {step_ms:.1f} ms per optimizer step")
-    # The control is the classic mistake: every micro-batch inside no_sync, the last one too, so the
-    # gradients are never all-reduced and each rank steps on its own. Rounding must stay far below it.
+              f"{buckets} bucket(s), {step_ms:.1f} ms per optimizer step")
+    # The control is the classic mistake: every micro-batch inside no_sync, the last
+    # one too, so the gradients are never all-reduced and each rank steps on its own.
+    # Rounding must stay far below it.
     ddp, _ = s.build_ddp(s.args.model)
     with ddp.no_sync():
         for x, y in micro_batches:
@@ -236,35 +261,134 @@ def compare_accumulation(s: Session) -> None:
     s.record("accumulation_grads", max_abs_difference=difference, max_abs_grad=scale,
              relative_difference=difference / scale, bitwise_equal=difference == 0.0,
              control_relative_difference=control / scale)
-    s.say(f"accumulated gradients, no_sync against sync every micro-batch: largest difference "
-          f"{difference:.2e} ({difference / scale:.1e} of the largest gradient entry, {scale:.2e}); "
-          f"never all-reduced (the bug): {control / scale:.1e} of it")
+    s.say(f"accumulated gradients, no_sync against sync every micro-batch: largest "
+          f"difference {difference:.2e} ({difference / scale:.1e} of the largest "
+          f"gradient entry, {scale:.2e}); never all-reduced (the bug): "
+          f"{control / scale:.1e} of it")
 
 
 def compare_precision(s: Session) -> None:
-    """Autocast runs matmuls in a 16-bit type; the weights and the optimizer stay in fp32."""
+    """Autocast runs matmuls in a 16-bit type; weights and optimizer stay in fp32."""
     s.say(f"\n== precision: {s.args.precision_steps} training steps each")
-    modes = [("fp32", None, None), ("bf16 autocast", torch.bfloat16, None)]
-    if s.device.type == "cuda":
-        # fp16's narrow exponent range makes small gradients underflow, so the loss is scaled up first.
-        modes.append(("fp16 autocast + GradScaler", torch.float16, torch.amp.GradScaler("cuda")))
-    else:
-        s.record("precision_skipped", mode="fp16 autocast + GradScaler",
-                 reason="fp16 with loss scaling is the CUDA recipe; on CPU the low-precision type is bf16")
-        s.say("fp16 autocast + GradScaler: not run, this is a CPU run (the script runs it on CUDA)")
+    # fp16's narrow exponent range lets small gradients underflow to zero, so the
+    # loss is multiplied by a large scale before backward, gradients divided after.
+    scaler = torch.amp.GradScaler(s.device.type)
+    modes = [("fp32", None, None), ("bf16 autocast", torch.bfloat16, None),
+             ("fp16 autocast + GradScaler", torch.float16, scaler)]
     for name, dtype, scaler in modes:
         ddp, optimizer = s.build_ddp(s.args.model)
-        losses, times = s.timed(s.training_step(ddp, optimizer, dtype, scaler), s.args.precision_steps)
+        step = s.training_step(ddp, optimizer, dtype, scaler)
+        losses, times = s.timed(step, s.args.precision_steps)
         step_ms = s.slowest_median(times[1:])
         s.record("precision", mode=name, losses=losses, step_ms=step_ms)
-        s.say(f"{name:>28}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, {step_ms:.1f} ms per step")
+        s.say(f"{name:>28}: loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+              f"{step_ms:.1f} ms per step")
+
+
+def every_rank(flag: bool, device) -> list[bool]:
+    """This flag from every rank, in rank order."""
+    flags = torch.zeros(dist.get_world_size(), device=device)
+    flags[dist.get_rank()] = float(flag)
+    dist.all_reduce(flags)
+    return [bool(f) for f in flags.tolist()]
+
+
+def scaled_fp16_step(ddp, optimizer, scaler, x, y, loss_factor=1.0) -> dict:
+    """One fp16 step with loss scaling, and what happened in it."""
+    params = list(ddp.parameters())
+    before = params[0].detach().clone()
+    local_finite = []  # this rank's own gradients, before DDP averages them
+
+    def check_local(param):
+        local_finite.append(torch.isfinite(param.grad).all().item())
+
+    hooks = [p.register_post_accumulate_grad_hook(check_local) for p in params]
+    scale = scaler.get_scale()
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        loss = ddp(x, y) * loss_factor
+    scaler.scale(loss).backward()  # the gradients of loss x scale
+    for hook in hooks:
+        hook.remove()
+    scaler.unscale_(optimizer)  # divides by the scale, notes any inf or NaN
+    finite = all(torch.isfinite(p.grad).all().item() for p in params)
+    scaler.step(optimizer)  # skipped if a gradient is not finite
+    scaler.update()  # halves the scale after an overflow; doubles it after
+    optimizer.zero_grad()  # growth_interval clean steps in a row
+    return {"scale": scale, "next_scale": scaler.get_scale(),
+            "local_finite": every_rank(all(local_finite), x.device),
+            "finite": every_rank(finite, x.device),
+            "stepped": every_rank(not torch.equal(before, params[0]), x.device)}
+
+
+def clipped_step(s: Session, order: str, x, y, max_norm: float = 0.1) -> dict:
+    """One fp16 step with clip_grad_norm_, with or without unscale_ before it."""
+    torch.manual_seed(s.args.seed)
+    model = GPT(MODEL_SIZES[s.args.model]).to(s.device)
+    ddp = DDP(model, device_ids=ddp_device_ids(s.device))
+    # SGD's update is proportional to the gradient, so the effect shows exactly.
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(s.device.type, init_scale=2.0**10)
+    before = [p.detach().clone() for p in ddp.parameters()]
+    with torch.autocast(s.device.type, dtype=torch.float16):
+        loss = ddp(x, y)
+    scaler.scale(loss).backward()
+    if order == "unscale_ before clip":
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm).item()
+    scaler.step(optimizer)  # unscales here if unscale_ was not called
+    scaler.update()
+    pairs = zip(ddp.parameters(), before, strict=True)
+    update = torch.cat([(p.detach() - b).flatten() for p, b in pairs]).norm().item()
+    s.say(f"{order:>22}: clip_grad_norm_ saw a norm of {norm:.4g}, "
+          f"the update's norm is {update:.3g}")
+    return {"scale": 2.0**10, "max_norm": max_norm, "norm_seen_by_clip": norm,
+            "update_norm": update}
+
+
+def grad_scaler_at_work(s: Session) -> None:
+    """fp16 with a GradScaler, step by step, from a scale chosen too high."""
+    s.say(f"\n== scaling: {s.args.scaling_steps} fp16 steps, GradScaler(init_scale="
+          f"2**24, growth_interval={s.args.growth_interval})")
+    ddp, optimizer = s.build_ddp(s.args.model)
+    scaler = torch.amp.GradScaler(s.device.type, init_scale=2.0**24,
+                                  growth_interval=s.args.growth_interval)
+    for i in range(s.args.scaling_steps):
+        x, y = s.batches[i % len(s.batches)]
+        step = scaled_fp16_step(ddp, optimizer, scaler, x, y)
+        s.record("scaling", step=i, growth_interval=s.args.growth_interval, **step)
+        s.say(f"step {i:>2}: scale 2**{math.log2(step['scale']):g}, finite "
+              f"{step['finite']}, stepped {step['stepped']} -> "
+              f"2**{math.log2(step['next_scale']):g}")
+
+    # A bad batch on rank 0 only: only rank 0's own gradients overflow.
+    ddp, optimizer = s.build_ddp(s.args.model)
+    scaler = torch.amp.GradScaler(s.device.type, init_scale=2.0**8)
+    x, y = s.batches[0]
+    for i, factor in enumerate([2.0**20 if s.rank == 0 else 1.0, 1.0]):
+        step = scaled_fp16_step(ddp, optimizer, scaler, x, y, loss_factor=factor)
+        s.record("one_rank_overflow", step=i, **step)
+        s.say(f"bad batch on rank 0, step {i}: own gradients finite "
+              f"{step['local_finite']}, after the all-reduce {step['finite']}, "
+              f"stepped {step['stepped']}")
+    weights = torch.cat([p.detach().flatten() for p in ddp.parameters()])
+    copies = [torch.empty_like(weights) for _ in range(s.world_size)]
+    dist.all_gather(copies, weights)
+    s.record("one_rank_overflow_replicas",
+             identical=all(torch.equal(c, copies[0]) for c in copies))
+
+    # Clipping needs the true gradient norm: unscale_ first, or clip sees the scale.
+    for order in ("unscale_ before clip", "clip before unscale_"):
+        s.record("clipping", order=order, **clipped_step(s, order, x, y))
 
 
 def compare_options(s: Session) -> None:
-    """gradient_as_bucket_view and static_graph change how DDP works, never what it computes."""
-    s.say("\n== DDP options: gradient memory, step time, and the weights after the same steps")
-    configurations = {"default": {}, "gradient_as_bucket_view=True": {"gradient_as_bucket_view": True},
-                      "static_graph=True": {"static_graph": True}}
+    """gradient_as_bucket_view and static_graph change how DDP works, not results."""
+    s.say("\n== DDP options: gradient memory, step time, weights after equal steps")
+    configurations = {
+        "default": {},
+        "gradient_as_bucket_view=True": {"gradient_as_bucket_view": True},
+        "static_graph=True": {"static_graph": True},
+    }
     reference = None
     for name, options in configurations.items():
         log = BucketLog(default_hooks.allreduce_hook)
@@ -273,31 +397,36 @@ def compare_options(s: Session) -> None:
         step = s.training_step(ddp, optimizer)
         step_ms = s.median_step_ms(step, s.args.steps)
 
-        # One more backward, then ask of every gradient: does its memory lie inside a bucket buffer?
+        # One more backward, then ask of every gradient: is its memory in a bucket?
         log.calls.clear()
         x, y = s.batches[0]
         ddp(x, y).backward()
         buffers = [(ptr, nbytes) for ptr, nbytes, _ in log.calls]
-        inside = [any(start <= p.grad.data_ptr() < start + size for start, size in buffers) for p in ddp.parameters()]
-        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in ddp.parameters())
+        params = list(ddp.parameters())
+        inside = [any(start <= p.grad.data_ptr() < start + size
+                      for start, size in buffers) for p in params]
+        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params)
         separate_bytes = sum(p.grad.numel() * p.grad.element_size()
-                             for p, shared in zip(ddp.parameters(), inside, strict=True) if not shared)
+                             for p, shared in zip(params, inside, strict=True)
+                             if not shared)
         bucket_bytes = sum(nbytes for _, nbytes in buffers)
         optimizer.zero_grad()
 
-        weights = [p.detach().clone() for p in ddp.parameters()]
+        weights = [p.detach().clone() for p in params]
         reference = reference or weights
         difference = max_difference(reference, weights)
-        s.record("options", config=name, step_ms=step_ms, grads_in_buckets=sum(inside), params=len(inside),
-                 grad_bytes=grad_bytes, bucket_bytes=bucket_bytes, gradient_memory_bytes=bucket_bytes + separate_bytes,
-                 max_weight_difference=difference)
-        s.say(f"{name:>30}: {sum(inside)}/{len(inside)} grads inside a bucket, gradient memory "
-              f"{(bucket_bytes + separate_bytes) / 2**20:.2f} MiB, {step_ms:.1f} ms/step, "
+        memory = bucket_bytes + separate_bytes
+        s.record("options", config=name, step_ms=step_ms,
+                 grads_in_buckets=sum(inside), params=len(inside),
+                 grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
+                 gradient_memory_bytes=memory, max_weight_difference=difference)
+        s.say(f"{name:>30}: {sum(inside)}/{len(inside)} grads inside a bucket, "
+              f"gradient memory {memory / 2**20:.2f} MiB, {step_ms:.1f} ms/step, "
               f"weights differ from default by {difference:.1e}")
 
 
 class NormedMLP(nn.Module):
-    """A model with buffers: BatchNorm keeps running statistics of the batches it has seen."""
+    """A model with buffers: BatchNorm keeps running statistics of its inputs."""
 
     def __init__(self):
         super().__init__()
@@ -310,38 +439,48 @@ class NormedMLP(nn.Module):
 
 
 def compare_buffer_sync(s: Session, steps: int = 3) -> None:
-    """DDP averages gradients; buffers it can only copy from rank 0 at the start of each forward, or leave alone."""
-    s.say("\n== buffers: BatchNorm running_mean at the start of each forward, compared across ranks")
+    """DDP cannot average buffers: it copies rank 0's at each forward, or not."""
+    s.say("\n== buffers: BatchNorm running_mean at the start of each forward, "
+          "compared across ranks")
     gpt_buffers = len(list(GPT(MODEL_SIZES[s.args.model]).buffers()))
     for sync in (True, False):
         torch.manual_seed(s.args.seed)
         net = NormedMLP().to(s.device)
         device_ids = ddp_device_ids(s.device)
-        # forward_sync_buffers is torch 2.13's name for what older code calls broadcast_buffers.
+        # forward_sync_buffers: torch 2.13's name for what was broadcast_buffers.
         ddp = DDP(net, device_ids=device_ids, forward_sync_buffers=sync)
         seen = []
-        net.norm.register_forward_pre_hook(lambda module, inputs, seen=seen: seen.append(module.running_mean.clone()))
+
+        def note(module, inputs, seen=seen):
+            seen.append(module.running_mean.clone())
+
+        net.norm.register_forward_pre_hook(note)
         data = torch.Generator().manual_seed(s.args.seed + s.rank)
-        for _ in range(steps):
-            x = (torch.randn(32, 8, generator=data) + s.rank).to(s.device)  # every rank sees different data
+        for _ in range(steps):  # every rank sees different data
+            x = (torch.randn(32, 8, generator=data) + s.rank).to(s.device)
             ddp(x).sum().backward()
         seen.append(net.norm.running_mean.clone())
         everyone = [torch.empty_like(torch.stack(seen)) for _ in range(s.world_size)]
         dist.all_gather(everyone, torch.stack(seen))
-        equal = [all(torch.equal(other[i], everyone[0][i]) for other in everyone) for i in range(len(seen))]
-        s.record("buffers", forward_sync_buffers=sync, equal_at_forward_start=equal[:-1],
+        equal = [all(torch.equal(other[i], everyone[0][i]) for other in everyone)
+                 for i in range(len(seen))]
+        s.record("buffers", forward_sync_buffers=sync,
+                 equal_at_forward_start=equal[:-1],
                  equal_after_last_forward=equal[-1], gpt_buffers=gpt_buffers)
-        s.say(f"forward_sync_buffers={sync!s:>5}: same on all ranks at the start of forward 1..{steps}: "
-              f"{equal[:-1]}; after the last forward: {equal[-1]}")
-    s.say(f"the {s.args.model} GPT has {gpt_buffers} buffers, so for ch3_train.py this flag changes nothing")
+        s.say(f"forward_sync_buffers={sync!s:>5}: same on all ranks at the start of "
+              f"forward 1..{steps}: {equal[:-1]}; after the last: {equal[-1]}")
+    s.say(f"the {s.args.model} GPT has {gpt_buffers} buffers, so for ch3_train.py "
+          "this flag changes nothing")
 
 
 def compare_compression(s: Session) -> None:
-    """A compression hook casts each bucket to 16 bits for the all-reduce, then back to fp32."""
-    s.say("\n== compression hooks: bytes handed to all_reduce per step and gradient error")
-    hooks = {"allreduce_hook (fp32)": (default_hooks.allreduce_hook, None),
-             "fp16_compress_hook": (default_hooks.fp16_compress_hook, torch.float16),
-             "bf16_compress_hook": (default_hooks.bf16_compress_hook, torch.bfloat16)}
+    """A compression hook casts each bucket to 16 bits to all-reduce, then back."""
+    s.say("\n== compression hooks: bytes handed to all_reduce per step, error")
+    hooks = {
+        "allreduce_hook (fp32)": (default_hooks.allreduce_hook, None),
+        "fp16_compress_hook": (default_hooks.fp16_compress_hook, torch.float16),
+        "bf16_compress_hook": (default_hooks.bf16_compress_hook, torch.bfloat16),
+    }
     reference = None
     for name, (hook, wire_dtype) in hooks.items():
         log = BucketLog(hook)
@@ -355,16 +494,19 @@ def compare_compression(s: Session) -> None:
         grads = torch.cat([g.flatten() for g in grads_of(ddp)])
         optimizer.zero_grad()
         buckets = len(log.calls)
-        wire_bytes = sum(elements * (wire_dtype.itemsize if wire_dtype else 4) for _, _, elements in log.calls)
+        item_bytes = wire_dtype.itemsize if wire_dtype else 4
+        wire_bytes = sum(elements * item_bytes for _, _, elements in log.calls)
         reference = grads if reference is None else reference
         error = grads - reference
         relative_error = (error.norm() / reference.norm()).item()
         step_ms = s.median_step_ms(s.training_step(ddp, optimizer), s.args.steps)
-        s.record("compression", hook=name, bytes_per_step=wire_bytes, buckets=buckets,
-                 max_abs_error=error.abs().max().item(), relative_error=relative_error,
+        s.record("compression", hook=name, bytes_per_step=wire_bytes,
+                 buckets=buckets, max_abs_error=error.abs().max().item(),
+                 relative_error=relative_error,
                  max_abs_grad=reference.abs().max().item(), step_ms=step_ms)
-        s.say(f"{name:>22}: {wire_bytes / 2**20:.3f} MiB per step in {buckets} bucket(s), "
-              f"relative error {relative_error:.2e}, {step_ms:.1f} ms/step")
+        s.say(f"{name:>22}: {wire_bytes / 2**20:.3f} MiB per step in {buckets} "
+              f"bucket(s), relative error {relative_error:.2e}, "
+              f"{step_ms:.1f} ms/step")
 
 
 def main() -> None:
@@ -376,8 +518,10 @@ def main() -> None:
                    bucket_cap_mb=args.bucket_cap_mb)
     session.say(f"{session.world_size} process(es), {args.model} model, batch {args.batch_size} per process")
 
-    run = {"buckets": sweep_buckets, "accumulation": compare_accumulation, "precision": compare_precision,
-           "options": compare_options, "buffers": compare_buffer_sync, "compression": compare_compression}
+    run = {"buckets": sweep_buckets, "accumulation": compare_accumulation,
+           "precision": compare_precision, "scaling": grad_scaler_at_work,
+           "options": compare_options, "buffers": compare_buffer_sync,
+           "compression": compare_compression}
     for name in EXPERIMENTS:
         if name in args.experiments:
             run[name](session)

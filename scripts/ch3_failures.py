@@ -12,6 +12,10 @@
     torchrun ... --failure rank-seed --ddp             # DDP hides it for parameters only
     torchrun ... --failure bad-record                  # a plain bug, dressed up as a distributed one
     python scripts/ch3_failures.py --failure bad-record   # the same bug with one process: plain
+    torchrun ... --failure uneven-inputs               # ranks with fewer batches: a hang ...
+    torchrun ... --failure uneven-inputs --join        # ... that DDP's join() context resolves
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... --failure ddp-under-detail   # gloo: SIGSEGV
+    TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... --failure ddp-under-detail --ddp-own-group
 
 Every run creates its process group with a timeout of --timeout seconds, so a
 collective that can never complete raises an error instead of hanging for the
@@ -22,6 +26,7 @@ import argparse
 import datetime
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -39,7 +44,8 @@ from dtbook.model import GPT, MODEL_SIZES
 DEBUG_VARIABLES = ["TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                    "TORCH_NCCL_BLOCKING_WAIT", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"]
 
-FAILURES = ["mismatched-collective", "stuck-rank", "unused-parameter", "rank-seed", "bad-record"]
+FAILURES = ["mismatched-collective", "stuck-rank", "unused-parameter", "rank-seed", "bad-record",
+            "uneven-inputs", "ddp-under-detail"]
 
 # Which failure each optional flag belongs to: a flag given to another failure is refused.
 FLAG_OWNERS = {
@@ -48,6 +54,8 @@ FLAG_OWNERS = {
     "static_graph": "unused-parameter",
     "model_seed": "rank-seed",
     "ddp": "rank-seed",
+    "join": "uneven-inputs",
+    "ddp_own_group": "ddp-under-detail",
 }
 
 
@@ -68,6 +76,10 @@ def parse_args() -> argparse.Namespace:
                         help="rank-seed: seed the model with seed+rank (the bug, default) or with seed on every rank")
     parser.add_argument("--ddp", action="store_true",
                         help="rank-seed: train with DDP instead of a hand-written all_reduce of gradients")
+    parser.add_argument("--join", action="store_true",
+                        help="uneven-inputs: train inside DDP's join() context manager")
+    parser.add_argument("--ddp-own-group", action="store_true",
+                        help="ddp-under-detail: give DDP a process group created without the DETAIL checker")
     add_backend_and_metrics(parser)
     args = parser.parse_args()
     for flag, owner in FLAG_OWNERS.items():
@@ -90,15 +102,19 @@ def say(message: str) -> None:
 
 
 def mismatched_collective(args, device: torch.device) -> None:
-    """Rank 0 all-reduces the validation loss to log it; then every rank receives the early-stopping decision.
+    """Rank 0 all-reduces the validation loss to log it; then every rank receives
+    the early-stopping decision.
 
-    The bug is a collective inside a rank-0-only block: rank 0 waits in all_reduce while rank 1 has
-    moved on to broadcast. Neither call can complete, and without a timeout both would wait forever.
+    The bug is a collective inside a rank-0-only block: rank 0 waits in all_reduce
+    while rank 1 has moved on to broadcast. Neither call can complete, and without a
+    timeout both would wait forever.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     for epoch in range(2):
-        validation_loss = torch.tensor([1.0 + rank], device=device)  # stands in for this rank's loss on its shard
-        # The bug: the all_reduce sits inside the rank-0-only logging block. --fixed lets every rank join it.
+        # Stands in for this rank's validation loss on its shard.
+        validation_loss = torch.tensor([1.0 + rank], device=device)
+        # The bug: the all_reduce sits inside the rank-0-only logging block.
+        # --fixed lets every rank join it.
         if args.fixed or rank == 0:
             say(f"epoch {epoch}: all_reduce of the validation loss")
             dist.all_reduce(validation_loss)
@@ -121,17 +137,21 @@ def mismatched_collective(args, device: torch.device) -> None:
 
 
 def stuck_rank(args, device: torch.device) -> None:
-    """Rank 1 is stuck (think: a data loader waiting on a dead file system) while rank 0 waits for it.
+    """Rank 1 is stuck (think: a data loader waiting on a dead file system) while
+    rank 0 waits for it.
 
-    A plain barrier would only say that it timed out; monitored_barrier says which rank is missing.
-    It exists for gloo only, so on NCCL we create a gloo group for it — a collective every rank makes.
+    A plain barrier would only say that it timed out; monitored_barrier says which
+    rank is missing. It exists for gloo only, so on NCCL we create a gloo group for
+    it, a collective that every rank makes.
     """
-    monitor_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    on_gloo = dist.get_backend() == "gloo"
+    monitor_group = None if on_gloo else dist.new_group(backend="gloo")
     if dist.get_rank() == 1:
         say(f"stuck for {3 * args.timeout:g} s")
         time.sleep(3 * args.timeout)
     say("waiting in monitored_barrier")
-    dist.monitored_barrier(group=monitor_group, timeout=datetime.timedelta(seconds=args.timeout))
+    dist.monitored_barrier(group=monitor_group,
+                           timeout=datetime.timedelta(seconds=args.timeout))
     say("passed the barrier")
 
 
@@ -141,10 +161,11 @@ def stuck_rank(args, device: torch.device) -> None:
 
 
 class LanguageModelWithAuxHead(nn.Module):
-    """The book's GPT plus an auxiliary head whose loss the configuration can switch off.
+    """The book's GPT plus an auxiliary head whose loss a setting can turn off.
 
-    With the auxiliary loss off, ``aux_head`` takes no part in forward, so its parameters never get a
-    gradient; DDP waits for those gradients to fill its buckets and cannot finish the reduction.
+    With the auxiliary loss off, ``aux_head`` takes no part in forward, so its
+    parameters never get a gradient; DDP waits for those gradients to fill its
+    buckets and cannot finish the reduction.
     """
 
     def __init__(self, use_aux_loss: bool):
@@ -193,14 +214,16 @@ def unused_parameter(args, device: torch.device, metrics: MetricsWriter) -> None
 class RandomFeatureRegressor(nn.Module):
     """Random Fourier features followed by a small MLP.
 
-    ``projection`` is drawn once and never trained, and it is a plain tensor attribute: neither a
-    parameter nor a registered buffer, so DDP does not know it exists and never broadcasts it.
+    ``projection`` is drawn once and never trained, and it is a plain tensor
+    attribute: neither a parameter nor a registered buffer, so DDP does not know it
+    exists and never broadcasts it.
     """
 
     def __init__(self, inputs: int = 8, features: int = 64):
         super().__init__()
         self.projection = torch.randn(inputs, features)
-        self.mlp = nn.Sequential(nn.Linear(features, 64), nn.Tanh(), nn.Linear(64, 1))
+        self.mlp = nn.Sequential(nn.Linear(features, 64), nn.Tanh(),
+                                 nn.Linear(64, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(torch.cos(x @ self.projection.to(x.device)))
@@ -215,12 +238,14 @@ def spread_across_ranks(tensor: torch.Tensor) -> float:
 
 def rank_seed(args, device: torch.device, metrics: MetricsWriter) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # The bug: seeding with the rank *before* the model is built gives every rank different weights.
+    # The bug: seeding with the rank *before* the model is built gives every rank
+    # different weights.
     model_seed = args.seed + rank if args.model_seed == "per-rank" else args.seed
     torch.manual_seed(model_seed)
     model = RandomFeatureRegressor().to(device)
     if args.ddp:
-        model = DDP(model, device_ids=ddp_device_ids(device))  # broadcasts rank 0's weights
+        # DDP broadcasts rank 0's weights.
+        model = DDP(model, device_ids=ddp_device_ids(device))
     # Data, on the other hand, should differ: each rank draws its own batches.
     torch.manual_seed(args.seed + 1000 + rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -231,14 +256,16 @@ def rank_seed(args, device: torch.device, metrics: MetricsWriter) -> None:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if not args.ddp:
-            for p in model.parameters():  # a hand-written data-parallel step: average the gradients
+            # A hand-written data-parallel step: average the gradients.
+            for p in model.parameters():
                 dist.all_reduce(p.grad)
                 p.grad /= world_size
         optimizer.step()
 
     inner = model.module if args.ddp else model
     weights = torch.cat([p.detach().flatten() for p in inner.parameters()])
-    probe = torch.linspace(-1, 1, 8 * 4, device=device).view(4, 8)  # the same input on every rank
+    # The same input on every rank.
+    probe = torch.linspace(-1, 1, 8 * 4, device=device).view(4, 8)
     with torch.no_grad():
         outputs = inner(probe)
     result = dict(
@@ -250,7 +277,8 @@ def rank_seed(args, device: torch.device, metrics: MetricsWriter) -> None:
     say(f"training done, last local loss {loss.item():.4f}")
     if rank == 0:
         print("largest difference from rank 0 — parameters: {parameter_spread:.3g}, "
-              "projection: {projection_spread:.3g}, output on a shared input: {output_spread:.3g}".format(**result),
+              "projection: {projection_spread:.3g}, output on a shared input: "
+              "{output_spread:.3g}".format(**result),
               flush=True)
     metrics.write(event="divergence", **result)
 
@@ -261,7 +289,7 @@ def rank_seed(args, device: torch.device, metrics: MetricsWriter) -> None:
 
 
 def bad_record(args, device: torch.device) -> None:
-    """One record in the data set is truncated. With two ranks only rank 1's shard holds it."""
+    """One record of the data set is truncated; of two ranks only rank 1 sees it."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     records = [torch.full((8,), float(i)) for i in range(64)]
     records[37] = records[37][:5]  # the corrupt record
@@ -281,9 +309,74 @@ def bad_record(args, device: torch.device) -> None:
     say("finished")
 
 
+# --------------------------------------------------------------------------
+# 6. Ranks with different numbers of batches
+# --------------------------------------------------------------------------
+
+
+def uneven_inputs(args, device: torch.device, metrics: MetricsWriter) -> None:
+    """Rank r has 3 + 2r batches: a plain DDP loop hangs when the first runs out.
+
+    Rank 0 leaves the loop after its last batch and goes on to the next collective
+    (the all_gather that compares the replicas), while rank 1's next backward waits
+    for rank 0 in DDP's all-reduce. Inside model.join(), a rank that has run out of
+    data keeps answering the others' all-reduces (with zeros) until all are done.
+    """
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    model = DDP(nn.Linear(8, 1).to(device), device_ids=ddp_device_ids(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = 3 + 2 * rank
+    data = torch.Generator().manual_seed(args.seed + rank)
+    with model.join() if args.join else nullcontext():
+        for step in range(batches):
+            x = torch.randn(4, 8, generator=data).to(device)
+            loss = model(x).square().mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            say(f"step {step + 1} of {batches} done")
+    say(f"out of data after {batches} batches")
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    spread = spread_across_ranks(weights)
+    say(f"replicas differ by at most {spread:.3g}")
+    metrics.write(event="summary", join=args.join, replica_spread=spread,
+                  batches=[3 + 2 * r for r in range(dist.get_world_size())])
+
+
+# --------------------------------------------------------------------------
+# 7. DDP under TORCH_DISTRIBUTED_DEBUG=DETAIL
+# --------------------------------------------------------------------------
+
+
+def ddp_under_detail(args, device: torch.device) -> None:
+    """The smallest program that shows the crash: build a DDP model, take one step.
+
+    Under DETAIL every process group is wrapped in a checker of collective calls,
+    and on gloo DDP's constructor then crashes (torch 2.13). --ddp-own-group gives
+    DDP a process group created while the level is INFO, so it is not wrapped;
+    every other collective, on the default group, is still checked.
+    """
+    checked = type(dist.group.WORLD._get_backend(device)).__name__
+    say(f"default group's backend object: {checked}")
+    group = None
+    if args.ddp_own_group:
+        level = dist.get_debug_level()
+        dist.set_debug_level(dist.DebugLevel.INFO)  # a group made now is not wrapped
+        group = dist.new_group(backend=dist.get_backend())
+        dist.set_debug_level(level)
+        say(f"DDP's group: {type(group._get_backend(device)).__name__}")
+    model = DDP(nn.Linear(8, 1).to(device), device_ids=ddp_device_ids(device),
+                process_group=group)
+    say("DDP constructed")
+    model(torch.randn(4, 8, device=device)).sum().backward()
+    say("one backward done")
+
+
 def main() -> None:
     args = parse_args()
-    if args.failure in ("mismatched-collective", "stuck-rank") and int(os.environ.get("WORLD_SIZE", 1)) < 2:
+    needs_two = ("mismatched-collective", "stuck-rank", "uneven-inputs")
+    if args.failure in needs_two and int(os.environ.get("WORLD_SIZE", 1)) < 2:
         raise ScriptError(f"--failure {args.failure} needs at least 2 processes (torchrun --nproc_per_node=2)")
     backend, device = start_process_group(args.backend, timeout_s=args.timeout)
     metrics = open_metrics(args.metrics, backend, device)
@@ -297,6 +390,10 @@ def main() -> None:
         unused_parameter(args, device, metrics)
     elif args.failure == "rank-seed":
         rank_seed(args, device, metrics)
+    elif args.failure == "uneven-inputs":
+        uneven_inputs(args, device, metrics)
+    elif args.failure == "ddp-under-detail":
+        ddp_under_detail(args, device)
     else:
         bad_record(args, device)
     metrics.close()

@@ -43,7 +43,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def autograd_nodes(loss: torch.Tensor) -> int:
-    """How many nodes the backward graph of ``loss`` has: what find_unused_parameters walks every step."""
+    """The nodes of the backward graph of ``loss``: what find_unused_parameters
+    walks every step."""
     seen, stack = set(), [loss.grad_fn]
     while stack:
         node = stack.pop()

@@ -111,11 +111,13 @@ def measure(args, cap, batches, device) -> dict:
               **({} if cap is None else {"bucket_cap_mb": cap}))
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=DEFAULTS.lr)
     data = cycle(batches)
-    # DDP lays its buckets out again in the second forward, and reports the new layout from the third on.
+    # DDP lays its buckets out again in the second forward, and reports the new
+    # layout from the third on.
     for _ in range(3):
         train_step(ddp, optimizer, data, skip_communication=False)
     bucket_bytes = bucket_sizes(ddp)
-    buffers = [torch.randn(n // 4, device=device) for n in bucket_bytes]  # fp32: 4 bytes per element
+    # fp32: 4 bytes per element
+    buffers = [torch.randn(n // 4, device=device) for n in bucket_bytes]
 
     functions = {"ddp": partial(train_step, ddp, optimizer, data, False),
                  "local": partial(train_step, ddp, optimizer, data, True),
@@ -125,7 +127,8 @@ def measure(args, cap, batches, device) -> dict:
         for name, ms in step_times_ms(functions, args, device).items():
             medians[name].append(statistics.median(ms))
     t_ddp, t_local, t_comm = (statistics.median(medians[name]) for name in functions)
-    return {"bucket_cap_mb": cap, "buckets": len(bucket_bytes), "gradient_mb": sum(bucket_bytes) / 2**20,
+    return {"bucket_cap_mb": cap, "buckets": len(bucket_bytes),
+            "gradient_mb": sum(bucket_bytes) / 2**20,
             "t_ddp_ms": t_ddp, "t_local_ms": t_local, "t_comm_ms": t_comm,
             "exposed_fraction": (t_ddp - t_local) / t_comm}
 

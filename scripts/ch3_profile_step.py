@@ -24,7 +24,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.ddp_inspect import bucket_sizes
 from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.paths import RUNS_DIR
@@ -102,36 +101,62 @@ def overlap_ms(a: list[dict], b: list[dict]) -> float:
     return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in merged(a) for s2, e2 in merged(b))
 
 
+def summarize(intervals: list[dict], trace_path: Path, per_bucket: list[int]) -> dict:
+    """What the timeline shows, in numbers: launches, runs and their overlap."""
+    def of(kind):
+        return [i for i in intervals if i["kind"] == kind]
+
+    in_progress, computing = of("all-reduce in progress"), of("gradient computation")
+    return {
+        "trace": str(trace_path.resolve()),
+        "buckets": len(per_bucket),
+        "params": sum(per_bucket),
+        "params_per_bucket": per_bucket,
+        "all_reduce_launches": len(of("all-reduce launched")),
+        "all_reduce_runs": len(in_progress),
+        "first_launch_ms": min(i["start_ms"] for i in of("all-reduce launched")),
+        "gradients_done_ms": max(i["end_ms"] for i in computing),
+        "all_reduce_ms": busy_ms(in_progress),
+        "all_reduce_during_gradient_computation_ms": overlap_ms(in_progress, computing),
+    }
+
+
 def main() -> None:
     args = parse_args()
     try:
         args.trace_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise ScriptError(f"cannot create --trace-dir {args.trace_dir}: {err.strerror}") from None
+        raise ScriptError(f"cannot create --trace-dir {args.trace_dir}: "
+                          f"{err.strerror}") from None
     backend, device = start_process_group(args.backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     cfg = MODEL_SIZES[args.model]
     torch.manual_seed(args.seed)
     model = GPT(cfg).to(device)
-    ddp = DDP(model, device_ids=ddp_device_ids(device), bucket_cap_mb=args.bucket_cap_mb)
+    ddp = DDP(model, device_ids=ddp_device_ids(device),
+              bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=DEFAULTS.lr)
 
-    dataset = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
-    batches = first_batches(dataset, args.batch_size, rank, world_size, args.seed, args.warmup + 1, device)
+    data = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context,
+                          args.seed)
+    batches = first_batches(data, args.batch_size, rank, world_size, args.seed,
+                            args.warmup + 1, device)
     for x, y in batches[:-1]:
         ddp(x, y).backward()
         optimizer.step()
         optimizer.zero_grad()
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
     x, y = batches[-1]
     dist.barrier()
     with profile(activities=activities) as prof:
         with record_function("forward"):
             loss = ddp(x, y)
         with record_function("backward"):
-            loss.backward()  # returns only after DDP has waited for every bucket's all-reduce
+            loss.backward()  # returns once DDP has waited for every bucket
         with record_function("optimizer"):
             optimizer.step()
             optimizer.zero_grad()
@@ -140,32 +165,21 @@ def main() -> None:
     trace_path = args.trace_dir / f"rank{rank}.json"
     prof.export_chrome_trace(str(trace_path))
 
-    buckets = len(bucket_sizes(ddp))
+    layout = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+    per_bucket = [len(bucket.split()) for bucket in layout.split(",")]
     if rank == 0:
         intervals = read_intervals(trace_path)
-        of = lambda kind: [i for i in intervals if i["kind"] == kind]
-        in_progress, computing = of("all-reduce in progress"), of("gradient computation")
-        summary = {
-            "trace": str(trace_path.resolve()),
-            "buckets": buckets,
-            "all_reduce_launches": len(of("all-reduce launched")),
-            "all_reduce_runs": len(in_progress),
-            "first_launch_ms": min(i["start_ms"] for i in of("all-reduce launched")),
-            "gradients_done_ms": max(i["end_ms"] for i in computing),
-            "all_reduce_ms": busy_ms(in_progress),
-            "all_reduce_during_gradient_computation_ms": overlap_ms(in_progress, computing),
-        }
+        summary = summarize(intervals, trace_path, per_bucket)
         metrics = open_metrics(args.metrics, backend, device)
         for interval in intervals:
             metrics.write(event="interval", **interval)
         metrics.write(event="summary", **summary)
         metrics.close()
         print(f"trace of one step (rank 0): {summary['trace']}")
-        print(f"{buckets} buckets; {summary['all_reduce_launches']} all-reduces launched, the first at "
-              f"{summary['first_launch_ms']:.1f} ms; the last gradient was computed at "
-              f"{summary['gradients_done_ms']:.1f} ms")
-        print(f"all-reduce in progress: {summary['all_reduce_ms']:.1f} ms in total, "
-              f"{summary['all_reduce_during_gradient_computation_ms']:.1f} ms of it while gradients were computed")
+        print(f"{summary['buckets']} buckets; {summary['all_reduce_launches']} "
+              f"all-reduces launched, the first at "
+              f"{summary['first_launch_ms']:.1f} ms; the last gradient was "
+              f"computed at {summary['gradients_done_ms']:.1f} ms")
     dist.destroy_process_group()
 
 

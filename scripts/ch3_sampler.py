@@ -54,7 +54,7 @@ def gather(obj) -> list:
 
 def show_shards(args, metrics: MetricsWriter) -> None:
     """Part 1: the indices each rank gets, case by case."""
-    dataset = range(args.dataset_size)  # the sampler only needs len(); the items themselves do not matter
+    dataset = range(args.dataset_size)  # the sampler needs only len(dataset)
     cases = [("in order, padded", dict(shuffle=False, drop_last=False), False),
              ("in order, drop_last", dict(shuffle=False, drop_last=True), False),
              ("shuffled, set_epoch", dict(shuffle=True, drop_last=False), True),
@@ -68,25 +68,30 @@ def show_shards(args, metrics: MetricsWriter) -> None:
                 sampler.set_epoch(epoch)  # reseeds the shuffle with seed + epoch
             shards = gather([int(i) for i in sampler])
             for rank, shard in enumerate(shards):
-                metrics.write(event="shard", case=name, epoch=epoch, rank=rank, indices=shard,
-                              num_samples=sampler.num_samples, total_size=sampler.total_size, **options)
+                metrics.write(event="shard", case=name, epoch=epoch, rank=rank,
+                              indices=shard, num_samples=sampler.num_samples,
+                              total_size=sampler.total_size, **options)
             if dist.get_rank() == 0:
-                print(f"{name:<22} epoch {epoch}: " + " | ".join(f"rank {r}: {s}" for r, s in enumerate(shards)))
+                each = " | ".join(f"rank {r}: {s}" for r, s in enumerate(shards))
+                print(f"{name:<22} epoch {epoch}: {each}")
 
 
-def count_effective_batch(args, device: torch.device, metrics: MetricsWriter) -> None:
-    """Part 2: train with accumulation and count what each optimizer step consumed."""
+def count_effective_batch(args, device: torch.device, metrics: MetricsWriter):
+    """Part 2: train with accumulation; count what each optimizer step consumed."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = MODEL_SIZES["tiny"]
     windows_needed = args.steps * args.batch_size * args.accum_steps * world_size
-    windows = Numbered(TokenWindows(synthetic_corpus(windows_needed * cfg.context + 1, cfg.vocab_size, args.seed),
-                                    cfg.context))
-    sampler = DistributedSampler(windows, shuffle=True, seed=args.seed, drop_last=True)
-    loader = DataLoader(windows, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    tokens = synthetic_corpus(windows_needed * cfg.context + 1, cfg.vocab_size,
+                              args.seed)
+    windows = Numbered(TokenWindows(tokens, cfg.context))
+    sampler = DistributedSampler(windows, shuffle=True, seed=args.seed,
+                                 drop_last=True)
+    loader = DataLoader(windows, batch_size=args.batch_size, sampler=sampler,
+                        drop_last=True)
 
     torch.manual_seed(args.seed)
     model = DDP(GPT(cfg).to(device), device_ids=ddp_device_ids(device))
-    one_process = copy.deepcopy(model.module)  # the same model on one "big" process, for comparison
+    one_process = copy.deepcopy(model.module)  # the same model on one "big" process
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     sampler.set_epoch(0)
@@ -94,7 +99,7 @@ def count_effective_batch(args, device: torch.device, metrics: MetricsWriter) ->
     step = 0
     for micro, (index, inputs, targets) in enumerate(loader):
         last_micro = (micro + 1) % args.accum_steps == 0
-        # Skip the all-reduce on all but the last micro-batch: gradients accumulate locally.
+        # No all-reduce but on the last micro-batch: gradients accumulate locally.
         with nullcontext() if last_micro else model.no_sync():
             loss = model(inputs.to(device), targets.to(device)) / args.accum_steps
             loss.backward()
@@ -110,13 +115,15 @@ def count_effective_batch(args, device: torch.device, metrics: MetricsWriter) ->
         pooled_inputs = torch.stack([windows[i][1] for i in pooled]).to(device)
         pooled_targets = torch.stack([windows[i][2] for i in pooled]).to(device)
         one_process(pooled_inputs, pooled_targets).backward()
-        gap = max((p.grad - q.grad).abs().max().item()
-                  for p, q in zip(model.parameters(), one_process.parameters(), strict=True))
-        metrics.write(event="optimizer_step", step=step, samples=int(count.item()), distinct=len(set(pooled)),
-                      per_process_batch=args.batch_size, accum_steps=args.accum_steps, world_size=world_size,
+        pairs = zip(model.parameters(), one_process.parameters(), strict=True)
+        gap = max((p.grad - q.grad).abs().max().item() for p, q in pairs)
+        metrics.write(event="optimizer_step", step=step, samples=int(count.item()),
+                      distinct=len(set(pooled)), per_process_batch=args.batch_size,
+                      accum_steps=args.accum_steps, world_size=world_size,
                       max_grad_diff_vs_one_process=gap, indices=pooled)
         if rank == 0:
-            print(f"optimizer step {step}: {int(count.item())} samples ({len(set(pooled))} distinct) = "
+            print(f"optimizer step {step}: {int(count.item())} samples "
+                  f"({len(set(pooled))} distinct) = "
                   f"{args.batch_size} x {args.accum_steps} x {world_size}; "
                   f"max|g_ddp - g_one_process_on_all_of_them| = {gap:.3g}")
         optimizer.step()

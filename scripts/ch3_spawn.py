@@ -24,30 +24,34 @@ from dtbook.ports import free_port
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
 
 
-def worker(rank: int, world_size: int, port: int, backend_request: str, metrics_path: str | None) -> None:
-    """Runs in each spawned process; ``rank`` is supplied by mp.spawn (0 .. nprocs-1)."""
+def worker(rank: int, world_size: int, port: int, backend_request: str,
+           metrics_path: str | None) -> None:
+    """Runs in each spawned process; mp.spawn supplies ``rank`` (0 .. nprocs-1)."""
     found = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
-    # choose_backend picks the GPU from LOCAL_RANK, which only a launcher like torchrun would set.
+    # choose_backend picks the GPU from LOCAL_RANK, which only a launcher would set.
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     backend, device = choose_backend(backend_request)
 
-    # No environment to read, so rank, world size and the meeting point are given explicitly.
+    # No environment to read: rank, world size and the meeting point are explicit.
     dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world_size)
     value = torch.tensor([float(rank + 1)], device=device)
     dist.all_reduce(value)
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, {"rank": dist.get_rank(), "pid": os.getpid(), "parent_pid": os.getppid(),
-                                      "env_found": found, "all_reduce": value.item()})
+    dist.all_gather_object(everyone, {"rank": dist.get_rank(), "pid": os.getpid(),
+                                      "parent_pid": os.getppid(), "env_found": found,
+                                      "all_reduce": value.item()})
     if rank == 0:
         metrics = open_metrics(metrics_path, backend, device)
         for who in everyone:
             metrics.write(event="process", **who)
-        metrics.write(event="all_reduce", result=value.item(), expected=world_size * (world_size + 1) / 2)
+        metrics.write(event="all_reduce", result=value.item(),
+                      expected=world_size * (world_size + 1) / 2)
         metrics.close()
         for who in everyone:
-            unset = [name for name, found_value in who["env_found"].items() if found_value is None]
-            print(f"spawned rank {who['rank']}: pid {who['pid']}, parent {who['parent_pid']}, "
+            unset = [name for name, got in who["env_found"].items() if got is None]
+            print(f"spawned rank {who['rank']}: pid {who['pid']}, "
+                  f"parent {who['parent_pid']}, "
                   f"launcher variables not set: {', '.join(unset) or 'none'}")
         print(f"all_reduce(SUM of rank+1) = {value.item():g}")
     dist.destroy_process_group()

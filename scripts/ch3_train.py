@@ -22,7 +22,8 @@ empty checkpoint directory it starts from step 0, so the same command line
 serves the first launch and every restart. Checkpoints that exist but none of
 which can be read are an error: starting over silently would throw work away.
 For fault-injection experiments, --crash-at-step N makes one process SIGKILL
-itself right after optimizer step N.
+itself right after optimizer step N, once: workers that torchrun restarts
+(--max-restarts) run on, as they would after a real fault.
 """
 
 import argparse
@@ -93,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--keep", type=positive_int, default=2, help="how many newest checkpoints to keep")
     add("--resume", action="store_true", help="continue from the newest readable checkpoint in --checkpoint-dir")
     add("--log-every", type=positive_int, default=10, help="log the loss every N steps")
+    add("--print-every", type=positive_int,
+        help="print progress on the console every N steps (default: every logged step)")
     add("--save-final", type=Path, help="rank 0 writes the final model state dict here")
     add("--crash-at-step", type=positive_int,
         help="fault injection: SIGKILL one process right after this optimizer step")
@@ -103,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--resume needs --checkpoint-dir")
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    args.print_every = args.print_every or args.log_every
     return args
 
 
@@ -111,8 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------
 
 
-def save_checkpoint(ckpt_dir: Path, keep: int, state: dict, device: torch.device) -> Path:
-    """Collective: every rank sends its RNG state to rank 0, rank 0 writes and rotates, all wait."""
+def save_checkpoint(ckpt_dir: Path, keep: int, state: dict, device) -> Path:
+    """Collective: every rank sends its RNG state to rank 0, which writes the file
+    and rotates; all wait for it."""
     rng_states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(capture_rng_state(device), rng_states, dst=0)
     path = ckpt_dir / f"ckpt_step{state['step']:08d}.pt"
@@ -123,20 +128,22 @@ def save_checkpoint(ckpt_dir: Path, keep: int, state: dict, device: torch.device
             raise ScriptError(f"could not write checkpoint {path}: {err}") from None
         for old in checkpoint_paths(ckpt_dir)[:-keep]:
             old.unlink()
-    # Nobody runs ahead until the checkpoint exists: a failure from here on can resume from it.
+    # Nobody runs ahead until the checkpoint exists: a failure from here on can
+    # resume from it.
     dist.barrier()
     return path
 
 
 def load_checkpoint(ckpt_dir: Path, device: torch.device) -> dict | None:
-    """Collective: rank 0 picks the file, every rank loads that same file onto its own device."""
+    """Collective: rank 0 picks the file; every rank loads it onto its device."""
     choice = [None, None]
     if dist.get_rank() == 0:
         candidates = checkpoint_paths(ckpt_dir)
         path = newest_loadable(candidates, CHECKPOINT_KEYS)
         problem = None
         if candidates and path is None:
-            problem = f"none of the {len(candidates)} checkpoint(s) in {ckpt_dir} can be read"
+            problem = (f"none of the {len(candidates)} checkpoint(s) in {ckpt_dir} "
+                       "can be read")
         choice = [str(path) if path else None, problem]
     dist.broadcast_object_list(choice, src=0)
     path, problem = choice
@@ -147,8 +154,8 @@ def load_checkpoint(ckpt_dir: Path, device: torch.device) -> dict | None:
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except Exception as err:
-        raise ScriptError(f"cannot read checkpoint {path} (is it on storage every node sees?): "
-                          f"{one_line(err)}") from None
+        raise ScriptError(f"cannot read checkpoint {path} (is it on storage every "
+                          f"node sees?): {one_line(err)}") from None
     ckpt["path"] = path
     return ckpt
 
@@ -194,13 +201,14 @@ def build_model(args, device: torch.device, rank: int):
     return model, optimizer, scaler
 
 
-def resume(args, model, optimizer, scaler, meta: dict, device, metrics) -> tuple[int, int, int]:
-    """Load the newest readable checkpoint; return (step, epoch, step in epoch) to continue from."""
+def resume(args, model, optimizer, scaler, meta: dict, device, metrics):
+    """Load the newest readable checkpoint; return (step, epoch, step in epoch)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ckpt = load_checkpoint(args.checkpoint_dir, device)
     if ckpt is None:
         if rank == 0:
-            print(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from step 0")
+            print(f"--resume: no checkpoint in {args.checkpoint_dir} yet, "
+                  "starting from step 0")
         return 0, 0, 0
     changed = {k: (ckpt["meta"][k], meta[k]) for k in meta
                if k != "world_size" and ckpt["meta"][k] != meta[k]}
@@ -214,11 +222,13 @@ def resume(args, model, optimizer, scaler, meta: dict, device, metrics) -> tuple
     if ckpt["meta"]["world_size"] == world_size:
         restore_rng_state(ckpt["rng"][rank], device)
     elif rank == 0:
-        print(f"note: checkpoint written by {ckpt['meta']['world_size']} processes; the data "
-              "order continues exactly, the per-rank RNG streams do not")
-    metrics.write(event="resume", path=ckpt["path"], step=ckpt["step"], epoch=ckpt["epoch"])
+        print(f"note: checkpoint written by {ckpt['meta']['world_size']} processes; "
+              "the data order continues exactly, the per-rank RNG streams do not")
+    metrics.write(event="resume", path=ckpt["path"], step=ckpt["step"],
+                  epoch=ckpt["epoch"])
     if rank == 0:
-        print(f"resumed from {ckpt['path']} at step {ckpt['step']} (epoch {ckpt['epoch']})")
+        print(f"resumed from {ckpt['path']} at step {ckpt['step']} "
+              f"(epoch {ckpt['epoch']})")
     return ckpt["step"], ckpt["epoch"], ckpt["step_in_epoch"]
 
 
@@ -272,7 +282,8 @@ class Progress:
         if self.args.amp == "fp16":
             record["grad_scale"] = scaler.get_scale()
         self.metrics.write(event="step", **record)
-        if dist.get_rank() == 0:
+        printing = step % self.args.print_every == 0 or step == self.total_steps
+        if printing and dist.get_rank() == 0:
             print(f"step {step:>5}/{self.total_steps} | epoch {epoch} | loss {self.losses[-1]:.4f} | "
                   f"{record['samples_per_s']:,.0f} samples/s", flush=True)
         self.last_log, self.steps_since_log = time.perf_counter(), 0
@@ -314,34 +325,39 @@ def main() -> None:
     backend, device = choose_backend(args.backend)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = MODEL_SIZES[args.model]
-    dataset = corpus_windows(args.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
+    dataset = corpus_windows(args.corpus_tokens, cfg.vocab_size, cfg.context,
+                             args.seed)
     check_inputs(args, world_size, len(dataset))
     global_batch = world_size * args.batch_size * args.accum_steps
     steps_per_epoch = len(dataset) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    # torchrun exported RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; env:// reads them.
+    # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; env:// reads them.
     dist.init_process_group(backend=backend, init_method="env://")
     metrics = open_metrics(args.metrics, backend, device)
     model, optimizer, scaler = build_model(args, device, rank)
     loader = rank_loader(dataset, args.batch_size, rank, world_size, args.seed)
 
-    meta = {"model": args.model, "seed": args.seed, "corpus_tokens": args.corpus_tokens,
-            "amp": args.amp, "global_batch": global_batch, "world_size": world_size}
+    meta = {"model": args.model, "seed": args.seed,
+            "corpus_tokens": args.corpus_tokens, "amp": args.amp,
+            "global_batch": global_batch, "world_size": world_size}
     step, start_epoch, start_step_in_epoch = 0, 0, 0
     if args.resume:
-        step, start_epoch, start_step_in_epoch = resume(args, model, optimizer, scaler, meta,
-                                                        device, metrics)
+        step, start_epoch, start_step_in_epoch = resume(
+            args, model, optimizer, scaler, meta, device, metrics)
 
     n_params = sum(p.numel() for p in model.parameters())
-    metrics.write(event="config", **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  params=n_params, global_batch=global_batch, steps_per_epoch=steps_per_epoch,
+    settings = {k: str(v) if isinstance(v, Path) else v
+                for k, v in vars(args).items()}
+    metrics.write(event="config", **settings, params=n_params,
+                  global_batch=global_batch, steps_per_epoch=steps_per_epoch,
                   total_steps=total_steps)
     if rank == 0:
-        print(f"GPT-{args.model} ({n_params:,} parameters) on {world_size} process(es), "
-              f"{backend}/{device.type}; global batch {world_size} x {args.batch_size} x "
-              f"{args.accum_steps} = {global_batch}; {steps_per_epoch} steps/epoch, "
-              f"training to step {total_steps}", flush=True)
+        print(f"GPT-{args.model} ({n_params:,} parameters) on {world_size} "
+              f"process(es), {backend}/{device.type}; global batch {world_size} x "
+              f"{args.batch_size} x {args.accum_steps} = {global_batch}; "
+              f"{steps_per_epoch} steps/epoch, training to step {total_steps}",
+              flush=True)
 
     progress = Progress(args, total_steps, global_batch, metrics)
     model.train()
@@ -349,26 +365,34 @@ def main() -> None:
         # Without set_epoch every epoch would replay the same shuffle.
         loader.sampler.set_epoch(epoch)
         skip = start_step_in_epoch if epoch == start_epoch else 0
-        # A resumed run skips the micro-batches the checkpointed run already trained on this epoch.
+        # A resumed run skips the micro-batches the checkpointed run already trained
+        # on in this epoch.
         micro_batches = itertools.islice(iter(loader), skip * args.accum_steps, None)
         for step_in_epoch in range(skip, steps_per_epoch):
             if step >= total_steps:
                 break
-            step_loss = train_step(model, optimizer, scaler, micro_batches, args, device)
+            step_loss = train_step(model, optimizer, scaler, micro_batches, args,
+                                   device)
             step += 1
             progress.step_done(step, epoch, step_loss, scaler)
-            if args.checkpoint_dir and (step % args.save_every == 0 or step == total_steps):
+            if args.checkpoint_dir and (step % args.save_every == 0
+                                        or step == total_steps):
                 saved_at = time.perf_counter()
-                state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                state = {"model": model.module.state_dict(),
+                         "optimizer": optimizer.state_dict(),
                          "scaler": scaler.state_dict(), "step": step, "epoch": epoch,
                          "step_in_epoch": step_in_epoch + 1, "meta": meta}
                 path = save_checkpoint(args.checkpoint_dir, args.keep, state, device)
                 seconds = progress.exclude_since(saved_at)
-                metrics.write(event="checkpoint", step=step, path=str(path), seconds=seconds,
+                metrics.write(event="checkpoint", step=step, path=str(path),
+                              seconds=seconds,
                               bytes=path.stat().st_size if rank == 0 else None)
-            if step == args.crash_at_step and rank == args.crash_rank:
-                # One write, so the message stays one line among the other ranks' output.
-                sys.stderr.write(f"[rank {rank}] fault injection: SIGKILL after step {step}\n")
+            # The fault strikes once: workers that torchrun restarted run on.
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if (step, rank, restarts) == (args.crash_at_step, args.crash_rank, 0):
+                # One write, so the message stays one line among the other ranks'.
+                sys.stderr.write(f"[rank {rank}] fault injection: SIGKILL after "
+                                 f"step {step}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     summarize(args, model, metrics, step, progress)

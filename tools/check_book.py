@@ -93,3 +93,69 @@ def html_problems(html_dir: Path, entries: list[str]) -> list[str]:
             if not (page.parent / unquote(url.path)).resolve().is_file():
                 problems.append(f"{page}: image {src!r} does not exist")
     return problems
+
+
+# The widest line of code the book's page shows without a scroll bar: at a 1366-pixel-wide
+# window the theme's code blocks hold 85 characters (measured in Chromium; the browser
+# check in tests/pipeline/test_browser.py measures the real pages).
+LISTING_WIDTH = 85
+
+
+def _fenced_blocks(markdown: str) -> list[tuple[str, str]]:
+    """(info string, body) of every ``` fenced block in a markdown cell."""
+    blocks, lines, i = [], markdown.splitlines(), 0
+    while i < len(lines):
+        if lines[i].lstrip().startswith("```"):
+            info, body, i = lines[i].strip()[3:], [], i + 1
+            while i < len(lines) and not lines[i].lstrip().startswith("```"):
+                body.append(lines[i])
+                i += 1
+            blocks.append((info, "\n".join(body)))
+        i += 1
+    return blocks
+
+
+def _pyobject_lines(source: str, name: str) -> list[str] | None:
+    """The lines of a top-level function or class, as Sphinx's :pyobject: option shows them."""
+    import ast
+
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            return source.splitlines()[first - 1 : node.end_lineno]
+    return None
+
+
+def listing_problems(notebook: Path, width: int = LISTING_WIDTH) -> list[str]:
+    """Code a notebook shows (code cells, fenced blocks, literalincludes) wider than ``width``."""
+    nb = json.loads(notebook.read_text())
+    problems = []
+
+    def check(where: str, lines: list[str]) -> None:
+        for line in lines:
+            if len(line) > width:
+                problems.append(f"{notebook.name}: {where}: {len(line)} characters: {line.strip()[:60]}")
+
+    for number, cell in enumerate(nb.get("cells", []), 1):
+        source = "".join(cell.get("source", ""))
+        if cell.get("cell_type") == "code":
+            check(f"cell {number}", source.splitlines())
+            continue
+        for info, body in _fenced_blocks(source):
+            if not info.startswith("{literalinclude}"):
+                if not info.startswith("{"):
+                    check(f"cell {number} code block", body.splitlines())
+                continue
+            target = (notebook.parent / info.split(None, 1)[1].strip()).resolve()
+            options = dict(line.strip()[1:].split(": ", 1) for line in body.splitlines()
+                           if line.strip().startswith(":") and ": " in line)
+            text = target.read_text()
+            if "pyobject" in options:
+                shown = _pyobject_lines(text, options["pyobject"])
+                if shown is None:
+                    problems.append(f"{notebook.name}: cell {number}: no {options['pyobject']} in {target.name}")
+                    continue
+            else:
+                shown = text.splitlines()
+            check(f"cell {number} {target.name}:{options.get('pyobject', '')}", shown)
+    return problems

@@ -21,13 +21,16 @@ from dtbook.cli import one_line
 
 
 def atomic_save(obj, path: Path) -> None:
-    """Write to a temporary file in the same directory, make it durable, then rename it into place.
+    """Write to a temporary file in the same directory, make it durable, then rename
+    it into place.
 
-    A crash at any moment leaves either the old state or the complete new file under ``path``,
-    never a half-written one: rename within a directory is atomic, and the fsyncs make sure the
-    bytes (and then the directory entry) reach the disk before we rely on them.
+    A crash at any moment leaves either the old state or the complete new file under
+    ``path``, never a half-written one: rename within a directory is atomic, and the
+    fsyncs make sure the bytes (and then the directory entry) reach the disk before
+    we rely on them.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                               dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -50,11 +53,13 @@ def checkpoint_paths(ckpt_dir: Path, pattern: str = "ckpt_step*.pt") -> list[Pat
 
 
 def newest_loadable(paths: Iterable[Path], required_keys: set[str]) -> Path | None:
-    """The newest of ``paths`` (oldest first) that loads and holds ``required_keys``, else None.
+    """The newest of ``paths`` (oldest first) that loads and holds ``required_keys``,
+    else None.
 
-    Each candidate is validated on the CPU and memory-mapped, so validating costs neither device
-    memory nor a full read; the caller then loads the chosen file once, where it needs it. An
-    unreadable file (truncated by a full disk, corrupted by a copy) is reported and skipped.
+    Each candidate is validated on the CPU and memory-mapped, so validating costs
+    neither device memory nor a full read; the caller then loads the chosen file
+    once, where it needs it. An unreadable file (truncated by a full disk, corrupted
+    by a copy) is reported and skipped.
     """
     for path in reversed(list(paths)):
         try:
@@ -63,8 +68,9 @@ def newest_loadable(paths: Iterable[Path], required_keys: set[str]) -> Path | No
             if missing:
                 raise ValueError(f"missing {sorted(missing)}")
             return path
-        except Exception as err:  # any reason a file cannot be used is a reason to try the previous one
-            print(f"warning: skipping unreadable checkpoint {path}: {one_line(err)}", file=sys.stderr, flush=True)
+        except Exception as err:  # whatever makes a file unusable: try an older one
+            print(f"warning: skipping unreadable checkpoint {path}: {one_line(err)}",
+                  file=sys.stderr, flush=True)
     return None
 
 

@@ -125,6 +125,10 @@ def test_find_unused_cost_benchmark_settings_agree(tmp_path):
         (["--failure", "unused-parameter", "--find-unused-parameters", "--static-graph"],
          "choose one of --find-unused-parameters and --static-graph"),
         (["--failure", "mismatched-collective"], "needs at least 2 processes"),
+        (["--failure", "uneven-inputs"], "needs at least 2 processes"),
+        (["--failure", "bad-record", "--join"], "--join applies only to --failure uneven-inputs"),
+        (["--failure", "rank-seed", "--ddp-own-group"],
+         "--ddp-own-group applies only to --failure ddp-under-detail"),
     ],
 )
 def test_bad_flags_give_one_line(args, message):

@@ -43,6 +43,19 @@ def test_minimal_ddp_gradients_equal_real_ddp_and_one_process(two_rank_run):
         assert step["max_diff_ddp_vs_single_process"] <= 1e-5 * step["max_abs_grad"]
 
 
+def test_ddp_divides_before_the_sum_and_two_ranks_cannot_tell(two_rank_run):
+    """DDP's average has the bits of scale-then-sum; with 2 ranks sum-then-divide has them too.
+
+    (The notebook's 3-process run shows the two orders differing.)
+    """
+    metrics, _ = two_rank_run
+    (order,) = records(metrics, "division_order")
+    assert order["world_size"] == NPROC and order["elements"] > 0
+    assert order["ddp_vs_scale_first"] == 0
+    assert order["ddp_vs_sum_first"] == order["scale_first_vs_sum_first"] == 0
+    assert order["max_gap"] == 0 < order["largest"]
+
+
 def test_wrapping_broadcasts_rank0_weights(two_rank_run):
     metrics, _ = two_rank_run
     rows = records(metrics, "replication")

@@ -6,6 +6,7 @@ whatever the timings are (timings on shared cores prove nothing and are not asse
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -85,6 +86,12 @@ def test_gradient_as_bucket_view_puts_gradients_inside_the_buckets_and_changes_n
     assert all(r["max_weight_difference"] == 0.0 for r in configs.values())
 
 
+def test_the_sweep_keeps_every_steps_time_for_the_spread(knobs):
+    for r in of(knobs, "buckets"):
+        assert len(r["step_ms_all"]) == 1  # --steps 1 above
+        assert r["step_ms"] == r["step_ms_all"][0]
+
+
 def test_forward_sync_buffers_copies_rank_0s_statistics_at_every_forward(knobs):
     runs = {r["forward_sync_buffers"]: r for r in of(knobs, "buffers")}
     assert all(runs[True]["equal_at_forward_start"])
@@ -118,6 +125,15 @@ def test_profiler_trace_is_valid_json_with_all_reduces_launched_during_backward(
         assert names.count("c10d::allreduce_") == summary["buckets"]
         assert names.count("gloo:all_reduce") + names.count("nccl:all_reduce") == summary["buckets"]
         assert {"forward", "backward", "optimizer"} <= set(names)
+        # DDP scales every gradient by 1/W as it copies it into its bucket: one mul_out each,
+        # all of a bucket's before that bucket's all-reduce is launched.
+        scaled = sorted(e["ts"] for e in events if e.get("name") == "torch::distributed::reducer::mul_out")
+        launched = sorted(e["ts"] for e in events if e.get("name") == "c10d::allreduce_")
+        assert len(scaled) == summary["params"] == sum(summary["params_per_bucket"])
+        ready = 0
+        for launch, size in zip(launched, summary["params_per_bucket"], strict=True):
+            ready += size
+            assert sum(t <= launch for t in scaled) >= ready
     assert summary["all_reduce_launches"] == summary["all_reduce_runs"] == summary["buckets"]
     assert summary["first_launch_ms"] < summary["gradients_done_ms"]  # communication starts before backward ends
 
@@ -136,3 +152,15 @@ def test_bad_input_gives_a_one_line_error(script, args, names):
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and names in errors[0], done.stderr
+
+
+def test_compile_without_a_cpp_compiler_says_so_in_one_line(tmp_path):
+    """--compiler inductor needs g++ or clang++: with none on the PATH, one line names the way out."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)  # a PATH with Python and nothing else
+    done = run_python("ch3_compile_ddp.py", "--compiler", "inductor", check=False, timeout=120,
+                      env={"PATH": str(bare)})
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "use --compiler aot_eager" in errors[0], done.stderr

@@ -190,7 +190,7 @@ def test_help_lists_the_contract(monkeypatch, capsys):
     out = capsys.readouterr().out
     for flag in ("--epochs", "--max-steps", "--batch-size", "--accum-steps", "--lr", "--seed", "--amp",
                  "--bucket-cap-mb", "--backend", "--checkpoint-dir", "--save-every", "--keep", "--resume",
-                 "--metrics", "--crash-at-step"):
+                 "--metrics", "--crash-at-step", "--print-every"):
         assert flag in out
 
 
