@@ -9,8 +9,8 @@ import pytest
 from support import SCRIPTS
 
 LIBRARY = SCRIPTS / "dtbook"
-NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli"}
-WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect"}
+NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli", "cluster_lab", "slurm_lab"}
+WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect", "timing"}
 SCRIPT_NAMES = {p.stem for p in SCRIPTS.glob("ch*.py")}
 
 
