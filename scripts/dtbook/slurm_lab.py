@@ -39,6 +39,9 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 SLURM_CONF = """\
 # The cluster lab's Slurm: written by dtbook.slurm_lab, removed with the lab.
 ClusterName=dtbook-lab{slot}
+# Every lab starts with an empty state; job ids that differ from any earlier lab's keep the
+# job file's per-job paths (runs/slurm/ckpt-<job id>) apart, as on a real cluster.
+FirstJobId={first_job_id}
 SlurmctldHost={host}({host_address})
 SlurmctldPort={ctld_port}
 SlurmdPort=6818
@@ -145,7 +148,8 @@ class SlurmLab:
                           for n in self.lab.nodes)
         self.conf.write_text(SLURM_CONF.format(
             slot=self.lab.slot, host=socket.gethostname().split(".")[0], host_address=self.lab.host_address,
-            ctld_port=6817 + 10 * (self.lab.slot + 1), dir=self.dir, nodes=nodes))
+            ctld_port=6817 + 10 * (self.lab.slot + 1), dir=self.dir, nodes=nodes,
+            first_job_id=1 + int(time.time()) % 60_000_000))
 
     def _start_daemons(self) -> None:
         munge = self.dir / "munge"
