@@ -4,12 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test venv chromium clean
+.PHONY: book test venv chromium slurm clean
 
 book: $(STAMP)
 	$(BIN)/python tools/build_book.py
 
-test: $(STAMP) chromium
+test: $(STAMP) chromium slurm
 	$(BIN)/python -m pytest tests
 
 venv: $(STAMP)
@@ -28,6 +28,18 @@ chromium:
 	  echo "installing Debian's chromium for the browser check"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+# Chapter 5 builds a cluster in a box: network namespaces and tc (iproute2), and Debian's Slurm
+# (slurm-wlm 22.05) with munge. Needs root, as the chapter does. The chapter starts and stops its
+# own munged, slurmctld and slurmds with their own configuration; system services are not used.
+CLUSTER_TOOLS := ip tc nsenter unshare slurmctld slurmd sbatch srun munged mungekey
+slurm:
+	@missing=""; for tool in $(CLUSTER_TOOLS); do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	[ -z "$$missing" ] || { \
+	  echo "installing iproute2, Slurm and munge for chapter 5 (missing:$$missing)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    iproute2 util-linux slurmctld slurmd slurm-client munge; }
 
 clean:
 	rm -rf _build runs

@@ -24,6 +24,12 @@ which can be read are an error: starting over silently would throw work away.
 For fault-injection experiments, --crash-at-step N makes one process SIGKILL
 itself right after optimizer step N, once: workers that torchrun restarts
 (--max-restarts) run on, as they would after a real fault.
+
+With --checkpoint-dir, SIGTERM or SIGUSR1 (what a scheduler sends before it
+stops a job) ends the run at the next step boundary with a checkpoint, and the
+exit status is 128 + the signal's number. --global-batch-size fixes the global
+batch instead of --accum-steps: the accumulation follows from the world size, so
+an elastic job that loses a node keeps training the same way.
 """
 
 import argparse
@@ -100,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--crash-at-step", type=positive_int,
         help="fault injection: SIGKILL one process right after this optimizer step")
     add("--crash-rank", type=int, help="the process --crash-at-step kills (default: the last rank)")
+    add("--global-batch-size", type=positive_int,
+        help="windows per optimizer step, all processes together; sets --accum-steps "
+             "from the world size")
     add_backend_and_metrics(parser)
     args = parser.parse_args(argv)
     if args.resume and args.checkpoint_dir is None:
@@ -107,12 +116,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     args.print_every = args.print_every or args.log_every
+    if args.global_batch_size and args.accum_steps != 1:
+        parser.error("--global-batch-size sets --accum-steps from the world size: "
+                     "give only one of them")
     return args
 
 
 # --------------------------------------------------------------------------
 # Checkpoints: rank 0 writes atomically, every rank reads the same file
 # --------------------------------------------------------------------------
+
+
+def training_state(model, optimizer, scaler, step: int, epoch: int,
+                   step_in_epoch: int, meta: dict) -> dict:
+    """Everything a restart needs; the RNG state is added by save_checkpoint."""
+    return {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "step": step, "epoch": epoch,
+            "step_in_epoch": step_in_epoch, "meta": meta}
 
 
 def save_checkpoint(ckpt_dir: Path, keep: int, state: dict, device) -> Path:
@@ -161,8 +181,66 @@ def load_checkpoint(ckpt_dir: Path, device: torch.device) -> dict | None:
 
 
 # --------------------------------------------------------------------------
+# Stopping on request: a scheduler's SIGTERM or SIGUSR1
+# --------------------------------------------------------------------------
+
+
+class StopRequest:
+    """SIGTERM and SIGUSR1 ask the run to stop: at a step boundary, with a checkpoint.
+
+    The handler only notes the signal, so the step in flight finishes. Ranks receive a
+    signal at different moments (or not at all), so at every step boundary they agree
+    on it with an all-reduce, and then all of them save and exit at the same step.
+    """
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self.note)
+
+    def note(self, signum, frame) -> None:
+        self.signum = signum
+
+    def agreed(self, device: torch.device) -> int:
+        """Collective: the signal any rank has received, or 0."""
+        flag = torch.tensor([self.signum], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def stop_with_checkpoint(signum: int, args, state: dict, device, metrics) -> None:
+    """Collective: save ``state`` (unless this step was just saved); exit 128 + signum."""
+    name = signal.Signals(signum).name
+    path = args.checkpoint_dir / f"ckpt_step{state['step']:08d}.pt"
+    if state["step"] % args.save_every:
+        path = save_checkpoint(args.checkpoint_dir, args.keep, state, device)
+    metrics.write(event="stopped", signal=name, step=state["step"], path=str(path),
+                  unix_time=time.time())
+    if dist.get_rank() == 0:
+        print(f"{name}: stopped after step {state['step']} with checkpoint {path}; "
+              "--resume continues from it", flush=True)
+    metrics.close()
+    dist.destroy_process_group()
+    sys.exit(128 + signum)
+
+
+# --------------------------------------------------------------------------
 # Building the run
 # --------------------------------------------------------------------------
+
+
+def accumulation_for(global_batch: int, world_size: int, batch_size: int) -> int:
+    """The --accum-steps that makes world size x --batch-size x accum = ``global_batch``.
+
+    An elastic job that shrinks keeps its global batch, and with it the optimizer's
+    trajectory: the remaining processes accumulate more micro-steps per step.
+    """
+    per_micro_step = world_size * batch_size
+    if global_batch % per_micro_step:
+        raise ScriptError(f"--global-batch-size {global_batch} is not a multiple of "
+                          f"{world_size} process(es) x --batch-size {batch_size} = "
+                          f"{per_micro_step}")
+    return global_batch // per_micro_step
 
 
 def check_inputs(args, world_size: int, num_windows: int) -> None:
@@ -324,6 +402,9 @@ def main() -> None:
     # (scripts/dtbook/reproducibility.py): kill-and-resume can then end with torch.equal weights.
     backend, device = choose_backend(args.backend)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.global_batch_size:
+        args.accum_steps = accumulation_for(args.global_batch_size, world_size,
+                                            args.batch_size)
     cfg = MODEL_SIZES[args.model]
     dataset = corpus_windows(args.corpus_tokens, cfg.vocab_size, cfg.context,
                              args.seed)
@@ -359,6 +440,10 @@ def main() -> None:
               f"{steps_per_epoch} steps/epoch, training to step {total_steps}",
               flush=True)
 
+    # From here on a scheduler's signal means "finish this step, save, exit".
+    stop_request = StopRequest() if args.checkpoint_dir else None
+    metrics.write(event="started", step=step, unix_time=time.time(),
+                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     progress = Progress(args, total_steps, global_batch, metrics)
     model.train()
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
@@ -378,21 +463,26 @@ def main() -> None:
             if args.checkpoint_dir and (step % args.save_every == 0
                                         or step == total_steps):
                 saved_at = time.perf_counter()
-                state = {"model": model.module.state_dict(),
-                         "optimizer": optimizer.state_dict(),
-                         "scaler": scaler.state_dict(), "step": step, "epoch": epoch,
-                         "step_in_epoch": step_in_epoch + 1, "meta": meta}
+                state = training_state(model, optimizer, scaler, step, epoch,
+                                       step_in_epoch + 1, meta)
                 path = save_checkpoint(args.checkpoint_dir, args.keep, state, device)
                 seconds = progress.exclude_since(saved_at)
                 metrics.write(event="checkpoint", step=step, path=str(path),
                               seconds=seconds,
                               bytes=path.stat().st_size if rank == 0 else None)
+            stoppable = stop_request is not None and step < total_steps
+            signum = stop_request.agreed(device) if stoppable else 0
+            if signum:
+                state = training_state(model, optimizer, scaler, step, epoch,
+                                       step_in_epoch + 1, meta)
+                stop_with_checkpoint(signum, args, state, device, metrics)
             # The fault strikes once: workers that torchrun restarted run on.
             restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if (step, rank, restarts) == (args.crash_at_step, args.crash_rank, 0):
                 # One write, so the message stays one line among the other ranks'.
                 sys.stderr.write(f"[rank {rank}] fault injection: SIGKILL after "
                                  f"step {step}\n")
+                metrics.write(event="fault_injected", step=step, unix_time=time.time())
                 os.kill(os.getpid(), signal.SIGKILL)
 
     summarize(args, model, metrics, step, progress)

@@ -88,6 +88,7 @@ class NodesRunResult(RunResult):
 
     commands: list[list[str]] = field(default_factory=list)  # commands[i] started node i's agent
     agent_pids: list[int] = field(default_factory=list)  # agent_pids[i]: process id of node i's agent
+    returncodes: list[int] = field(default_factory=list)  # returncodes[i]: how node i's agent exited
 
 
 def launch_torchrun_nodes(
@@ -102,6 +103,11 @@ def launch_torchrun_nodes(
     env: dict | None = None,
     threads_per_process: int | None = None,
     quiet: bool = False,
+    lab=None,
+    min_nodes: int | None = None,
+    torchrun_args: list[str] | tuple[str, ...] = (),
+    rdzv_endpoint: str | None = None,
+    absent_nodes: list[int] | tuple[int, ...] = (),
 ) -> NodesRunResult:
     """Play ``nnodes`` machines on this one: start one torchrun agent per "node".
 
@@ -112,31 +118,55 @@ def launch_torchrun_nodes(
     ``"static"`` passes ``--master-addr/--master-port`` (``--node_rank`` is
     honored). Output lines are prefixed with their node; metrics, streaming,
     the timeout and clean-up work as in ``launch_torchrun``, for every agent.
+
+    With ``lab`` (a ``dtbook.cluster_lab.ClusterLab``) agent i runs on the lab's
+    node i instead: in its network namespace, under its host name, with
+    ``GLOO_SOCKET_IFNAME`` set to its interface unless ``env`` sets it, and the
+    rendezvous is hosted at node 0's name. ``min_nodes`` makes the job elastic
+    (``--nnodes=MIN:N``); ``torchrun_args`` go to every agent (``--max-restarts``,
+    ``--rdzv-conf``); ``rdzv_endpoint`` replaces the meeting point; the agents of
+    ``absent_nodes`` are never started, like nodes that never come up.
     """
     if rdzv_backend not in ("c10d", "static"):
         raise ValueError(f"rdzv_backend must be 'c10d' or 'static', got {rdzv_backend!r}")
+    if lab is not None and nnodes > len(lab.nodes):
+        raise ValueError(f"{nnodes} nodes asked for, but the lab has {len(lab.nodes)}")
     script_path = _script_path(script)
     launcher = [find_torchrun()]
     args, metrics_path = _script_args(script_path, args, metrics)
     port = free_port()
+    host = "127.0.0.1" if lab is None else lab.nodes[0].hostname
     if rdzv_backend == "c10d":
-        meeting = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=book-{port}"]
+        endpoint = rdzv_endpoint or f"{host}:{port}"
+        meeting = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id=book-{port}"]
     else:
-        meeting = ["--master-addr=127.0.0.1", f"--master-port={port}"]
-    per_node = [[f"--nnodes={nnodes}", f"--node_rank={node}", f"--nproc_per_node={nproc_per_node}", *meeting]
-                for node in range(nnodes)]
-    commands = [[*launcher, *torchrun_args, str(script_path), *args] for torchrun_args in per_node]
+        meeting = [f"--master-addr={host}", f"--master-port={port}"]
+    node_count = f"{min_nodes}:{nnodes}" if min_nodes is not None else str(nnodes)
+    # A c10d rendezvous assigns node ranks itself; the lab's commands, which readers copy, leave it out.
+    ranked = lab is None or rdzv_backend == "static"
+    per_node = [[f"--nnodes={node_count}", *([f"--node_rank={node}"] if ranked else []),
+                 f"--nproc_per_node={nproc_per_node}", *meeting, *torchrun_args] for node in range(nnodes)]
+    started = [node for node in range(nnodes) if node not in absent_nodes]
+    commands = [[*launcher, *per_node[node], str(script_path), *args] for node in started]
+    names = [f"node {node}" if lab is None else lab.nodes[node].hostname for node in started]
+    if lab is not None:
+        commands = [lab.node_command(node, command) for node, command in zip(started, commands, strict=True)]
+        env = {"GLOO_SOCKET_IFNAME": lab.nodes[0].interface, **(env or {})}
     if not quiet:
-        for node, torchrun_args in enumerate(per_node):
-            shown = _shown_command(["torchrun", *torchrun_args], script_path, args, metrics_path)
-            print(f"$ {shown}   # node {node}", flush=True)
+        for node, name in zip(started, names, strict=True):
+            shown = _shown_command(["torchrun", *per_node[node]], script_path, args, metrics_path)
+            where = f"on {name}" if lab is not None else name
+            print(f"$ {shown}   # {where}", flush=True)
+        if lab is not None:
+            print(f"  (every node: GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']})", flush=True)
 
     cores = os.cpu_count() or 1
     run_env = _child_env(env, threads_per_process or max(1, cores // max(1, nnodes * nproc_per_node)))
-    labels = [f"[node {node}] " for node in range(nnodes)]
-    result, pids = _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
-                                 filters=(AgentTracebackFilter, ExitBarrierRaceFilter))
-    return NodesRunResult(**vars(result), commands=commands, agent_pids=pids)
+    labels = [f"[{name}] " for name in names]
+    result, procs = _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
+                                  filters=(AgentTracebackFilter, ExitBarrierRaceFilter))
+    return NodesRunResult(**vars(result), commands=commands, agent_pids=[p.pid for p in procs],
+                          returncodes=[p.returncode for p in procs])
 
 
 def launch_python(
@@ -210,7 +240,7 @@ def _run_commands(script, commands, labels, metrics_path, timeout, check, run_en
 
     Each process's output passes through fresh instances of ``filters`` (classes), in
     order; the default is ``AgentTracebackFilter`` alone.
-    Returns the result and the process ids. On a timeout or an interrupt every
+    Returns the result and the finished processes. On a timeout or an interrupt every
     group is killed; with ``check`` any non-zero exit raises.
     """
     import selectors
@@ -280,7 +310,7 @@ def _run_commands(script, commands, labels, metrics_path, timeout, check, run_en
         print(describe_provenance(result.provenance))
     if check and returncode != 0:
         raise RuntimeError(f"{script} exited with status {returncode}; its output is above")
-    return result, [proc.pid for proc in procs]
+    return result, procs
 
 
 def find_torchrun() -> str:

@@ -1,0 +1,131 @@
+"""The cluster lab: real namespaces, names and shaped links, and nothing left behind, whatever happens.
+
+These need root, as the lab does; without it they fail with the lab's one-line reason (never skip).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtbook import cluster_lab
+from dtbook.cluster_lab import PREFIX, ClusterLab, LabUnavailable, tbf_parameters
+from support import REPO
+
+PYTHONPATH = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")])}
+
+
+def slot_resources(slot: int) -> list[str]:
+    """Namespaces and links of a lab slot, as `ip` lists them."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in namespaces.splitlines() if line.startswith(f"{PREFIX}{slot}-")] + \
+           [line.split(":")[1].strip() for line in links.splitlines()
+            if line.split(":")[1].strip().startswith(f"{PREFIX}{slot}")]
+
+
+def processes_in(inodes: set[int]) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.stat(proc / "ns" / "net").st_ino in inodes:
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_each_node_has_its_own_network_name_and_shaped_link():
+    with ClusterLab(nodes=2, rate_gbit=1.0) as lab:
+        node1 = lab.nodes[1]
+        seen = lab.run(1, ["sh", "-c", "hostname; getent ahostsv4 node0 | head -n1; "
+                                       "readlink /proc/self/ns/net; ip -o -4 addr show eth0"]).stdout.splitlines()
+        assert seen[0] == node1.hostname
+        assert seen[1].split()[0] == lab.nodes[0].address
+        assert seen[2] == f"net:[{os.stat(f'/run/netns/{node1.netns}').st_ino}]"
+        assert f"inet {node1.address}/24" in seen[3]
+        host_side = subprocess.run(["tc", "qdisc", "show", "dev", node1.host_link], capture_output=True,
+                                   text=True, check=True).stdout
+        for qdisc in (lab.qdisc(1), host_side):  # both ends of the cable
+            assert "tbf" in qdisc and "rate 1Gbit" in qdisc
+        lab.set_rate(None)
+        assert "tbf" not in lab.qdisc(1)
+        slot = lab.slot
+    assert lab.leftovers() == [] and slot_resources(slot) == []
+
+
+def test_an_exception_inside_with_stops_every_process_and_removes_everything():
+    with pytest.raises(RuntimeError, match="boom"):
+        with ClusterLab(nodes=2) as lab:
+            sleepers = [lab.popen(node.index, ["sleep", "600"]) for node in lab.nodes]
+            # A process that left its process group is still on the node, and still found there.
+            lab.run(0, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 &"])
+            inodes = {os.stat(f"/run/netns/{node.netns}").st_ino for node in lab.nodes}
+            assert len(processes_in(inodes)) == 3
+            raise RuntimeError("boom")
+    assert lab.leftovers() == []
+    assert all(proc.poll() is not None for proc in sleepers)
+    assert processes_in(inodes) == []
+
+
+OWNER = """
+import os, sys, time
+from dtbook.cluster_lab import ClusterLab
+lab = ClusterLab(nodes=2).up()
+lab.run(1, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 &"])
+inodes = [os.stat(f"/run/netns/{node.netns}").st_ino for node in lab.nodes]
+print(lab.slot, *inodes, flush=True)
+if sys.argv[1] == "die":
+    os.kill(os.getpid(), 9)
+time.sleep(600)
+"""
+
+
+def start_owner(how: str):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, how], stdout=subprocess.PIPE, text=True,
+                             env=PYTHONPATH)
+    slot, *inodes = map(int, owner.stdout.readline().split())
+    assert slot_resources(slot) and len(processes_in(set(inodes))) == 1
+    return owner, slot, set(inodes)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_the_owner_interrupted_or_terminated_tears_the_lab_down(sig):
+    owner, slot, inodes = start_owner("wait")
+    owner.send_signal(sig)
+    owner.wait(timeout=60)
+    assert slot_resources(slot) == [] and processes_in(inodes) == []
+
+
+def test_a_lab_killed_outright_is_cleaned_up_by_down():
+    """SIGKILL runs no clean-up at all; `python -m dtbook.cluster_lab down` removes what is left."""
+    owner, slot, inodes = start_owner("die")
+    assert owner.wait(timeout=60) == -signal.SIGKILL
+    status = subprocess.run([sys.executable, "-m", "dtbook.cluster_lab", "status"], capture_output=True,
+                            text=True, env=PYTHONPATH, timeout=60)
+    assert f"slot {slot}: stale" in status.stdout
+    down = subprocess.run([sys.executable, "-m", "dtbook.cluster_lab", "down"], capture_output=True, text=True,
+                          env=PYTHONPATH, timeout=60)
+    assert f"slot {slot}: removed namespace {PREFIX}{slot}-node0" in down.stdout
+    assert slot_resources(slot) == [] and processes_in(inodes) == []
+
+
+def test_without_root_one_line_says_what_the_lab_needs(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(LabUnavailable, match="needs root"):
+        ClusterLab().up()
+    with pytest.raises(SystemExit) as exit_info:
+        cluster_lab.main(["status"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the cluster lab needs root") and "sudo" in err[0]
+
+
+def test_tbf_bucket_holds_a_millisecond_at_the_rate_and_at_least_one_segment():
+    assert tbf_parameters(1.0) == ["tbf", "rate", "1000000000bit", "burst", "125000", "latency", "50ms"]
+    assert tbf_parameters(0.1)[4] == str(64 * 1024)
+    with pytest.raises(ValueError):
+        ClusterLab(nodes=0)
