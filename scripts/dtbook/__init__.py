@@ -11,6 +11,8 @@ worker side (imported by the scripts that torchrun starts; these import torch)
     data          the deterministic synthetic corpus, token windows, the rank-aware loader, defaults
     checkpoint    atomic writes, RNG state, the newest readable checkpoint, weight fingerprints
     ddp_inspect   what a DistributedDataParallel instance reports about its buckets
+    progress      loss and throughput of a training loop, every N steps
+    collectives   which collectives a step issues, on which groups, and the bytes they move
 
 notebook side (imported by notebooks and tests; these never import torch)
     paths           where the repository, the scripts and the run artefacts are

@@ -67,13 +67,22 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        # GPT-2's initialization. PyTorch's default N(0, 1) embedding, tied to the output head, would
-        # make the first logits huge and the first loss several times log(vocab_size).
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialization, drawn from the global RNG in module order.
+
+        PyTorch's default N(0, 1) embedding, tied to the output head, would make the first logits
+        huge and the first loss several times log(vocab_size). A model built on the meta device
+        and materialized with ``to_empty`` calls this again to get real values.
+        """
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         pos = torch.arange(idx.shape[1], device=idx.device)

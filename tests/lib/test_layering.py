@@ -10,7 +10,7 @@ from support import SCRIPTS
 
 LIBRARY = SCRIPTS / "dtbook"
 NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli"}
-WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect"}
+WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect", "progress", "collectives"}
 SCRIPT_NAMES = {p.stem for p in SCRIPTS.glob("ch*.py")}
 
 
