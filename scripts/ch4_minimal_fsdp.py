@@ -1,7 +1,7 @@
 """FSDP from scratch, next to DDP and fully_shard: same data, same start, same weights.
 
     torchrun --standalone --nproc_per_node=2 scripts/ch4_minimal_fsdp.py
-    torchrun --standalone --nproc_per_node=2 scripts/ch4_minimal_fsdp.py --compute-dtype bf16
+    torchrun --standalone --nproc_per_node=2 scripts/ch4_minimal_fsdp.py --compute-dtypes bf16
     python scripts/ch4_minimal_fsdp.py            # a world of one
 
 MinimalFSDP below does what FSDP does, in two pages. Each wrapped unit (every transformer block,
@@ -17,8 +17,8 @@ The script trains the book's GPT (its output head tied to the token embedding, a
 embedding frozen, so requires_grad=False is exercised too) from the same start on the same
 batches with MinimalFSDP, with DDP and with fully_shard, and compares the weights after every
 step; a DDP model trained on another global batch (the same batches in the opposite order) is the
-control. With --compute-dtype bf16 the gathered copies are bf16 while the slices stay fp32, and
-fully_shard gets the matching MixedPrecisionPolicy.
+control. With bf16 (--compute-dtypes fp32 bf16, the default, runs both) the gathered copies are
+bf16 while the slices stay fp32, and fully_shard gets the matching MixedPrecisionPolicy.
 """
 
 import argparse
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
-from dtbook.model import GPT, MODEL_SIZES
+from dtbook.model import GPT, MODEL_SIZES, without_key_bias
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -192,7 +192,11 @@ class MinimalFSDP(nn.Module):
 
 
 def weight_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest |a - b| over all weights (the same on every rank: both are full state dicts)."""
+    """Largest |a - b| over all weights but the attention key biases (see ``without_key_bias``).
+
+    The same on every rank: both are full state dicts.
+    """
+    a, b = without_key_bias(a), without_key_bias(b)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
@@ -201,12 +205,65 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
     parser.add_argument("--steps", type=positive_int, default=5, help="optimizer steps to compare (default: 5)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="windows per process per step")
-    parser.add_argument("--compute-dtype", choices=sorted(DTYPES), default="fp32",
-                        help="dtype of the gathered parameters (the shards stay fp32)")
+    parser.add_argument("--compute-dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"],
+                        help="dtypes of the gathered parameters to compare, one run each (the shards stay fp32)")
     parser.add_argument("--lr", type=float, default=DEFAULTS.lr)
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
     add_backend_and_metrics(parser)
     return parser.parse_args()
+
+
+def compare(dtype: torch.dtype, start: GPT, batches, args, metrics, device) -> None:
+    """Train MinimalFSDP, DDP, fully_shard and the control from ``start``; record the gaps per step."""
+    name = str(dtype).removeprefix("torch.")
+    ddp = DDP(copy.deepcopy(start), device_ids=ddp_device_ids(device))
+    control = DDP(copy.deepcopy(start), device_ids=ddp_device_ids(device))
+    sharded = copy.deepcopy(start)
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in sharded.blocks:
+        fully_shard(block, mp_policy=mp_policy)
+    fully_shard(sharded, mp_policy=mp_policy)
+    minimal_model = copy.deepcopy(start)
+    minimal = MinimalFSDP(minimal_model, list(minimal_model.blocks), dtype)
+
+    runs = {"minimal": minimal, "ddp": ddp, "fully_shard": sharded, "control": control}
+    optimizers = {key: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=args.lr)
+                  for key, m in runs.items()}
+    for step in range(1, args.steps + 1):
+        losses = {}
+        for key, model in runs.items():
+            # The control trains on the same batches in the opposite order: another global batch.
+            x, y = batches[-step] if key == "control" else batches[step - 1]
+            loss = model(x, y)
+            loss.backward()
+            optimizers[key].step()
+            optimizers[key].zero_grad(set_to_none=True)
+            losses[key] = loss.item()
+        weights = {"minimal": minimal.full_state_dict(), "ddp": ddp.module.state_dict(),
+                   "control": control.module.state_dict(),
+                   "fully_shard": {k: v.full_tensor() for k, v in sharded.state_dict().items()}}
+        record = {"dtype": name, "step": step, "losses": losses,
+                  "gap_minimal_ddp": weight_gap(weights["minimal"], weights["ddp"]),
+                  "gap_minimal_fully_shard": weight_gap(weights["minimal"], weights["fully_shard"]),
+                  "gap_fully_shard_ddp": weight_gap(weights["fully_shard"], weights["ddp"]),
+                  "gap_control_ddp": weight_gap(weights["control"], weights["ddp"]),
+                  "frozen_unchanged": torch.equal(weights["minimal"]["pos_emb.weight"], start.pos_emb.weight),
+                  "tied_equal": torch.equal(weights["minimal"]["head.weight"], weights["minimal"]["tok_emb.weight"]),
+                  "max_abs_weight": max(t.abs().max().item() for t in weights["ddp"].values()),
+                  "peak_gathered_bytes": minimal.peak_gathered_bytes,
+                  "gathered_bytes_after_step": sum(g.gathered_bytes() for g in minimal.all_groups())}
+        metrics.write(event="step", **record)
+        if dist.get_rank() == 0:
+            print(f"{name} step {step}: max |w_minimal - w_ddp| = {record['gap_minimal_ddp']:.3g}, "
+                  f"|w_minimal - w_fully_shard| = {record['gap_minimal_fully_shard']:.3g}, "
+                  f"control |w_other_batch - w_ddp| = {record['gap_control_ddp']:.3g}")
+    groups = minimal.all_groups()
+    metrics.write(event="memory", dtype=name,
+                  full_gathered_bytes=sum(g.full.numel() * g.full.element_size() for g in groups),
+                  peak_gathered_bytes=minimal.peak_gathered_bytes,
+                  shard_bytes=sum(g.shard.numel() * g.shard.element_size() for g in groups),
+                  shard_numels=[g.shard.numel() for g in groups], full_numels=[g.full.numel() for g in groups],
+                  trainable=[g.shard.requires_grad for g in groups])
 
 
 def main() -> None:
@@ -221,57 +278,10 @@ def main() -> None:
     torch.manual_seed(args.seed)
     start = GPT(cfg).to(device)
     start.pos_emb.weight.requires_grad_(False)  # a frozen parameter; the head is tied to tok_emb
-
-    ddp = DDP(copy.deepcopy(start), device_ids=ddp_device_ids(device))
-    control = DDP(copy.deepcopy(start), device_ids=ddp_device_ids(device))
-    sharded = copy.deepcopy(start)
-    mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.compute_dtype], reduce_dtype=torch.float32)
-    for block in sharded.blocks:
-        fully_shard(block, mp_policy=mp_policy)
-    fully_shard(sharded, mp_policy=mp_policy)
-    minimal_model = copy.deepcopy(start)
-    minimal = MinimalFSDP(minimal_model, list(minimal_model.blocks), DTYPES[args.compute_dtype])
-    trainable = sum(p.numel() for p in start.parameters() if p.requires_grad)
-    metrics.write(event="model", params=sum(p.numel() for p in start.parameters()), trainable=trainable,
-                  shard_numels=[g.shard.numel() for g in minimal.all_groups()],
-                  full_numels=[g.full.numel() for g in minimal.all_groups()])
-
-    runs = {"minimal": minimal, "ddp": ddp, "fully_shard": sharded, "control": control}
-    optimizers = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=args.lr)
-                  for name, m in runs.items()}
-    for step in range(1, args.steps + 1):
-        losses = {}
-        for name, model in runs.items():
-            # The control trains on the same batches in the opposite order: another global batch.
-            x, y = batches[-step] if name == "control" else batches[step - 1]
-            loss = model(x, y)
-            loss.backward()
-            optimizers[name].step()
-            optimizers[name].zero_grad(set_to_none=True)
-            losses[name] = loss.item()
-        weights = {"minimal": minimal.full_state_dict(), "ddp": ddp.module.state_dict(),
-                   "control": control.module.state_dict(),
-                   "fully_shard": {k: v.full_tensor() for k, v in sharded.state_dict().items()}}
-        record = {"step": step, "losses": losses,
-                  "gap_minimal_ddp": weight_gap(weights["minimal"], weights["ddp"]),
-                  "gap_minimal_fully_shard": weight_gap(weights["minimal"], weights["fully_shard"]),
-                  "gap_fully_shard_ddp": weight_gap(weights["fully_shard"], weights["ddp"]),
-                  "gap_control_ddp": weight_gap(weights["control"], weights["ddp"]),
-                  "frozen_unchanged": torch.equal(weights["minimal"]["pos_emb.weight"],
-                                                  start.pos_emb.weight),
-                  "tied_equal": torch.equal(weights["minimal"]["head.weight"],
-                                            weights["minimal"]["tok_emb.weight"]),
-                  "max_abs_weight": max(t.abs().max().item() for t in weights["ddp"].values()),
-                  "peak_gathered_bytes": minimal.peak_gathered_bytes,
-                  "gathered_bytes_after_step": sum(g.gathered_bytes() for g in minimal.all_groups())}
-        metrics.write(event="step", **record)
-        if rank == 0:
-            print(f"step {step}: max |w_minimal - w_ddp| = {record['gap_minimal_ddp']:.3g}, "
-                  f"|w_minimal - w_fully_shard| = {record['gap_minimal_fully_shard']:.3g}, "
-                  f"control |w_other_batch - w_ddp| = {record['gap_control_ddp']:.3g}")
-    full_bytes = sum(g.full.numel() * g.full.element_size() for g in minimal.all_groups())
-    metrics.write(event="memory", full_gathered_bytes=full_bytes, peak_gathered_bytes=minimal.peak_gathered_bytes,
-                  shard_bytes=sum(g.shard.numel() * g.shard.element_size() for g in minimal.all_groups()))
+    metrics.write(event="model", params=sum(p.numel() for p in start.parameters()),
+                  trainable=sum(p.numel() for p in start.parameters() if p.requires_grad))
+    for name in args.compute_dtypes:
+        compare(DTYPES[name], start, batches, args, metrics, device)
     metrics.close()
     dist.destroy_process_group()
 

@@ -93,3 +93,21 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights minus the key part of every attention block's qkv bias, for comparing two runs.
+
+    Adding a constant vector to every key adds the same number to all of a query's attention
+    scores, and softmax ignores that, so the true gradient of the key bias is exactly zero. What
+    backward computes there is rounding noise, and Adam divides by its own running RMS, turning
+    noise of any size into steps of about lr: these entries carry no information about a run and
+    legitimately differ between two runs that sum their gradients in a different order.
+    """
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("qkv.bias"):
+            n_embd = tensor.numel() // 3
+            tensor = torch.cat([tensor[:n_embd], tensor[2 * n_embd:]])
+        out[name] = tensor
+    return out
