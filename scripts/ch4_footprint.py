@@ -13,7 +13,9 @@ It records, on every rank:
 - the live bytes between steps and the peak during the measured step. On a GPU that is
   torch.cuda.max_memory_allocated; on the CPU, which has no such counter, LiveMemory below watches
   every tensor allocated from the start of the configuration's construction;
-- every collective of the measured step (CollectiveLog), with its process group and size.
+- every collective of the measured step (CollectiveLog), with its process group and size;
+- how far the weights after the two steps are from DDP's (the first configuration, when it is ddp),
+  and, as a control, how far DDP's own weights after one step are from those after two.
 
 Configurations: ddp, zero1 (DDP + ZeroRedundancyOptimizer), fsdp2_full, fsdp2_grad_op
 (reshard_after_forward=False), fsdp2_root_only (one FSDP unit for the whole model), fsdp2_full_ac
@@ -28,6 +30,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, ShardingStrategy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -43,7 +46,7 @@ from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_m
 from dtbook.collectives import CollectiveLog
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
-from dtbook.model import GPT, MODEL_SIZES, Block
+from dtbook.model import GPT, MODEL_SIZES, Block, without_key_bias
 
 CONFIGS = ["ddp", "zero1", "fsdp2_full", "fsdp2_grad_op", "fsdp2_root_only", "fsdp2_full_ac", "fsdp2_hybrid",
            "fsdp2_offload", "fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard"]
@@ -155,6 +158,7 @@ def measure(config: str, cfg, device, batches, args) -> dict:
         model(x1, y1).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        after_one_step = full_weights(model) if config == "ddp" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         memory.reset_peak()
@@ -177,9 +181,25 @@ def measure(config: str, cfg, device, batches, args) -> dict:
         layout = [{"name": n, "shape": list(p.shape), "placements": [str(q) for q in p.placements],
                    "local_shape": list(p.to_local().shape), "device_mesh": str(p.device_mesh)}
                   for n, p in model.named_parameters()]
+    weights = full_weights(model)
     del model, optimizer
     gc.collect()
-    return {"row": row, "log": log, "layout": layout}
+    return {"row": row, "log": log, "layout": layout, "weights": weights, "after_one_step": after_one_step}
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    """The whole model's weights on every rank (a collective), for comparing configurations."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return without_key_bias({name: value.detach().cpu().clone() for name, value in state.items()})
+
+
+def same_training(a: dict, b: dict) -> bool:
+    """Chapter 3's tolerance for "the same training": relative 1e-3, absolute 1e-4."""
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a)
+
+
+def max_gap(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def parse_args() -> argparse.Namespace:
@@ -225,13 +245,23 @@ def main() -> None:
     metrics.write(event="model", model=args.model, params=n_params, largest_param=largest,
                   unit_params=units, blocks=cfg.n_layer)
 
+    ddp_weights = None
     for config in configs:
         result = measure(config, cfg, device, batches, args)
+        if config == "ddp":
+            ddp_weights = result["weights"]
+            # The control: DDP one optimizer step earlier, a model that must fail the comparison.
+            metrics.write(event="control", max_gap_vs_ddp=max_gap(result["after_one_step"], ddp_weights),
+                          same_as_ddp=same_training(result["after_one_step"], ddp_weights))
+        comparison = {}
+        if ddp_weights is not None:
+            comparison = {"max_gap_vs_ddp": max_gap(result["weights"], ddp_weights),
+                          "same_as_ddp": same_training(result["weights"], ddp_weights)}
         rows = [None] * world_size
         dist.all_gather_object(rows, result["row"])
         groups = [None] * world_size
         dist.all_gather_object(groups, sorted({tuple(e["group"]) for e in result["log"].collectives()}))
-        metrics.write(event="footprint", config=config, world_size=world_size, ranks=rows,
+        metrics.write(event="footprint", config=config, world_size=world_size, ranks=rows, **comparison,
                       formula=formula(config, n_params, world_size),
                       collectives=result["log"].summary(), timeline=result["log"].events, groups_by_rank=groups)
         if result["layout"] is not None:

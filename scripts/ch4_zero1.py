@@ -133,7 +133,8 @@ def main() -> None:
                 "owned_tensors": len(optimizers["sharded"].owned[rank])}
         everyone = [None] * world_size
         dist.all_gather_object(everyone, mine)
-        metrics.write(event="state_bytes", optimizer=name, params=n_params, ranks=everyone)
+        metrics.write(event="state_bytes", optimizer=name, params=n_params, ranks=everyone,
+                      largest_param=max(p.numel() for p in start.parameters()))
         if rank == 0:
             for row in everyone:
                 print(f"{name} rank {row['rank']}: optimizer state {row['plain']:,} bytes unsharded, "
