@@ -55,11 +55,12 @@ FSDP1_STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "grad_op": ShardingStra
 
 
 class LiveMemory(TorchDispatchMode):
-    """Bytes held by every tensor allocated while active: now, and the peak since ``reset_peak``.
+    """Bytes held by tensors allocated while active: now, and the peak since reset_peak.
 
-    Each operator's outputs are registered by their storage; a weak reference drops a storage when
-    it is freed. FSDP frees and re-allocates gathered parameters by resizing their storage, without
-    an operator, so the total is re-read after every operator rather than kept as a running sum.
+    Each operator's outputs are registered by their storage; a weak reference drops a
+    storage when it is freed. FSDP frees and re-allocates gathered parameters by resizing
+    their storage, without an operator, so the total is re-read after every operator
+    rather than kept as a running sum.
     """
 
     def __init__(self):
@@ -77,17 +78,19 @@ class LiveMemory(TorchDispatchMode):
     def _track(self, tensor) -> None:
         if not isinstance(tensor, torch.Tensor):
             return
-        if is_traceable_wrapper_subclass(tensor):  # a DTensor: the memory is in its local tensor
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor: memory is in its local part
             for name in tensor.__tensor_flatten__()[0]:
                 self._track(getattr(tensor, name))
             return
         storage = tensor.untyped_storage()
         key = id(storage)
         if key not in self.storages:
-            self.storages[key] = weakref.ref(storage, lambda _, key=key: self.storages.pop(key, None))
+            forget = lambda _, key=key: self.storages.pop(key, None)
+            self.storages[key] = weakref.ref(storage, forget)
 
     def live(self) -> int:
-        return sum(s.nbytes() for ref in list(self.storages.values()) if (s := ref()) is not None)
+        alive = (ref() for ref in list(self.storages.values()))
+        return sum(storage.nbytes() for storage in alive if storage is not None)
 
     def reset_peak(self) -> None:
         self.peak = self.live()
@@ -166,25 +169,30 @@ def measure(config: str, cfg, device, batches, args) -> dict:
         marks = {f"blocks.{i}": block for i, block in enumerate(inner.blocks)}
         with CollectiveLog(marks) as log:
             model(x2, y2).backward()
-            grads = storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+            with_grad = [p for p in model.parameters() if p.grad is not None]
+            grads = storage_bytes(p.grad for p in with_grad)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        on_gpu = device.type == "cuda"
         row = {"rank": dist.get_rank(),
                "params": storage_bytes(model.parameters()),
                "grads": grads,
                "optimizer": storage_bytes(optimizer_moments(optimizer)),
                "at_rest": memory.live(),
                "peak_step": memory.peak,
-               "cuda_peak_step": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+               "cuda_peak_step": torch.cuda.max_memory_allocated() if on_gpu else None}
     layout = None
     if config == "fsdp2_full":
-        layout = [{"name": n, "shape": list(p.shape), "placements": [str(q) for q in p.placements],
-                   "local_shape": list(p.to_local().shape), "device_mesh": str(p.device_mesh)}
+        layout = [{"name": n, "shape": list(p.shape),
+                   "placements": [str(q) for q in p.placements],
+                   "local_shape": list(p.to_local().shape),
+                   "device_mesh": str(p.device_mesh)}
                   for n, p in model.named_parameters()]
     weights = full_weights(model)
     del model, optimizer
     gc.collect()
-    return {"row": row, "log": log, "layout": layout, "weights": weights, "after_one_step": after_one_step}
+    return {"row": row, "log": log, "layout": layout, "weights": weights,
+            "after_one_step": after_one_step}
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:

@@ -220,35 +220,39 @@ def build_mesh(args, world_size: int, device: torch.device) -> DeviceMesh:
 def checkpoint_activations(block: Block) -> None:
     """Keep only the block's input; recompute the rest of its activations during backward.
 
-    The block's forward is replaced on the instance, so parameter names stay what they were and
-    checkpoints remain interchangeable with runs that do not recompute.
+    The block's forward is replaced on the instance, so parameter names stay what they were
+    and checkpoints remain interchangeable with runs that do not recompute.
     """
     forward = block.forward
     block.forward = lambda x: checkpoint(forward, x, use_reentrant=False)
 
 
 def shard_fsdp2(model: GPT, args, mesh: DeviceMesh) -> GPT:
-    """fully_shard each block, then the root, which keeps the embeddings, head and final norm."""
+    """fully_shard each block, then the root (embeddings, head and final norm)."""
     bf16 = args.mixed_precision == "bf16"
     # Compute in bf16, but reduce gradients in fp32: summing N bf16 gradients loses bits.
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                      reduce_dtype=torch.float32 if bf16 else None)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if args.cpu_offload else OffloadPolicy()
-    # full and hybrid free a block's gathered parameters after its forward and all-gather them
-    # again for backward; grad_op keeps them until backward is done (one all-gather per step).
+    if args.cpu_offload:
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    else:
+        offload = OffloadPolicy()
+    # full and hybrid free a block's gathered parameters after its forward and gather
+    # them again for backward; grad_op keeps them until backward is done (one all-gather).
     reshard = args.sharding != "grad_op"
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                     offload_policy=offload)
     # The root's parameters (the embedding, tied to the head) are needed again as soon as
-    # backward starts, so it keeps them gathered through the step (FSDP2's default for a root).
+    # backward starts, so it keeps them through the step (FSDP2's default for a root).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy,
                 offload_policy=offload)
     if args.prefetch == "explicit":
         blocks = list(model.blocks)
         for this, following in zip(blocks, blocks[1:], strict=False):
-            this.set_modules_to_forward_prefetch([following])    # gather block i+1 as i starts
-            following.set_modules_to_backward_prefetch([this])   # and block i as i+1's grads start
+            # Block i gathers block i+1 as it starts; i+1's backward gathers block i.
+            this.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([this])
     return model
 
 
@@ -257,10 +261,12 @@ def shard_fsdp1(model: GPT, args, mesh: DeviceMesh, device: torch.device) -> FSD
     if args.wrap == "block":
         policy = ModuleWrapPolicy({Block})
     else:
-        # The embedding and the head share one weight, so neither may become a unit of its own:
-        # a tied weight split across two units is gathered by one and missing in the other.
+        # The embedding and the head share one weight, so neither may become a unit of
+        # its own: a tied weight split across two units is gathered by one, missing in
+        # the other.
         tied = {model.tok_emb, model.head}
-        by_size = functools.partial(size_based_auto_wrap_policy, min_num_params=args.min_wrap_params)
+        by_size = functools.partial(size_based_auto_wrap_policy,
+                                    min_num_params=args.min_wrap_params)
 
         def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
             return module not in tied and by_size(module, recurse, nonwrapped_numel)
@@ -277,14 +283,14 @@ def shard_fsdp1(model: GPT, args, mesh: DeviceMesh, device: torch.device) -> FSD
         device_mesh=mesh if args.sharding == "hybrid" else None,
         forward_prefetch=args.prefetch == "explicit",
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        use_orig_params=True,  # the optimizer and the state dicts see the original parameters
+        use_orig_params=True,  # the optimizer and state dicts see the original parameters
     )
 
 
 def build_model(args, device: torch.device, rank: int, mesh: DeviceMesh):
-    """The sharded GPT, its AdamW optimizer (which only sees this rank's shards), its size."""
+    """The sharded GPT, its AdamW optimizer (over this rank's shards only), its size."""
     cfg = dataclasses.replace(MODEL_SIZES[args.model], dropout=args.dropout)
-    # The same seed everywhere gives every rank the same full model, which each then shards.
+    # The same seed everywhere gives every rank the same full model, which each shards.
     torch.manual_seed(args.seed)
     if args.meta_init:
         with torch.device("meta"):  # shapes only: no memory, no initialization
@@ -310,21 +316,27 @@ def build_model(args, device: torch.device, rank: int, mesh: DeviceMesh):
 def materialize(model: GPT, args, mesh: DeviceMesh, device: torch.device) -> None:
     """Allocate each rank's shards of a meta-device model, then initialize them in place.
 
-    The full model never exists anywhere. On GPUs, DTensor's random generator draws every shard
-    as a slice of one full tensor. A CPU mesh has no such generator, so each shard is drawn from a
-    seed of its own; replicas of a shard (hybrid sharding) share that seed and so stay identical.
+    The full model never exists anywhere. On GPUs, DTensor's random generator draws
+    every shard from one seed, as a slice of one full tensor. A CPU mesh has no such
+    generator, so each shard is drawn from a seed of its own; replicas of a shard (hybrid
+    sharding) share that seed and so stay identical.
     """
     model.to_empty(device="cpu" if args.cpu_offload else device)
-    torch.manual_seed(args.seed + mesh.get_local_rank("shard"))
+    if device.type == "cuda":
+        torch.manual_seed(args.seed)
+    else:
+        torch.manual_seed(args.seed + mesh.get_local_rank("shard"))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+        warnings.filterwarnings("ignore", "DTensor random operators may not have")
         model.init_weights()
 
 
 def describe_units(model) -> list[str]:
     """The names of the modules that became FSDP units ('' is the root)."""
-    units = [name for name, module in model.named_modules() if isinstance(module, (FSDPModule, FSDP))]
-    return [name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") for name in units]
+    units = [name for name, module in model.named_modules()
+             if isinstance(module, (FSDPModule, FSDP))]
+    return [name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+            for name in units]
 
 
 def describe_layout(model) -> list[dict]:
@@ -332,8 +344,9 @@ def describe_layout(model) -> list[dict]:
     rows = []
     for name, param in model.named_parameters():
         name = name.replace("_fsdp_wrapped_module.", "")
-        # FSDP2's parameters are DTensors: a global shape, placements, and a local shard. FSDP1's
-        # (use_orig_params) are plain tensors, flattened views of this rank's part of a FlatParameter.
+        # FSDP2's parameters are DTensors: a global shape, placements, and a local shard.
+        # FSDP1's (use_orig_params) are plain tensors: flat views of this rank's part of a
+        # FlatParameter.
         local = param.to_local() if isinstance(param, DTensor) else param
         rows.append({"name": name, "type": type(param).__name__, "shape": list(param.shape),
                      "placements": [str(p) for p in getattr(param, "placements", [])],
@@ -348,7 +361,7 @@ def describe_layout(model) -> list[dict]:
 
 @dataclasses.dataclass
 class PendingSave:
-    """A checkpoint being written into ``staging``; it becomes ``final`` once every rank is done."""
+    """A checkpoint being written into ``staging``; it becomes ``final`` once all ranks are done."""
 
     staging: Path
     final: Path
@@ -367,7 +380,7 @@ def checkpoint_group(args) -> dist.ProcessGroup | None:
 
 
 def start_save(args, model, optimizer, train_state: dict, device, group) -> PendingSave:
-    """Collective. Every rank writes its own shards; rank 0 adds the train state and RNG states."""
+    """Collective. Every rank writes its shards; rank 0 adds train and RNG states."""
     rank = dist.get_rank()
     final = args.checkpoint_dir / f"ckpt_step{train_state['step']:08d}"
     staging = args.checkpoint_dir / f".incomplete-{final.name}"
@@ -378,7 +391,8 @@ def start_save(args, model, optimizer, train_state: dict, device, group) -> Pend
         staging.mkdir()
         atomic_save({**train_state, "rng": rng_states}, staging / "train_state.pt")
     dist.barrier()  # the directory exists before anyone writes into it
-    model_state, optim_state = get_state_dict(model, optimizer)  # DTensor shards, no gathering
+    # DTensor shards of the model and the optimizer state: nothing is gathered.
+    model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     pending = PendingSave(staging, final, train_state["step"], time.perf_counter())
     if args.async_save:
@@ -390,12 +404,13 @@ def start_save(args, model, optimizer, train_state: dict, device, group) -> Pend
 
 
 def finish_save(pending: PendingSave, keep: int) -> float:
-    """Collective. Wait until every rank's shards are on disk, then publish the checkpoint."""
+    """Collective. Wait until every rank's shards are on disk, then publish them."""
     if pending.future is not None:
         pending.future.result()
     dist.barrier()
     if dist.get_rank() == 0:
-        # A directory named ckpt_step* is complete: a crash at any moment leaves only .incomplete-*.
+        # A directory named ckpt_step* is complete; a crash at any moment leaves at
+        # most an .incomplete-* directory behind.
         os.replace(pending.staging, pending.final)
         fsync_directory(pending.final.parent)
         for old in checkpoint_paths(pending.final.parent, "ckpt_step*")[:-keep]:
@@ -412,53 +427,61 @@ def fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, int, int]:
-    """Load the newest complete checkpoint, whatever the number of processes that wrote it."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def newest_checkpoint(ckpt_dir: Path) -> str | None:
+    """Collective. Rank 0 picks the newest complete checkpoint and tells every rank."""
     choice = [None, None]
-    if rank == 0:
-        candidates = checkpoint_paths(args.checkpoint_dir, "ckpt_step*")
+    if dist.get_rank() == 0:
+        candidates = checkpoint_paths(ckpt_dir, "ckpt_step*")
         found = newest_loadable([c / "train_state.pt" for c in candidates], TRAIN_STATE_KEYS)
         problem = None
         if candidates and found is None:
-            problem = f"none of the {len(candidates)} checkpoint(s) in {args.checkpoint_dir} can be read"
+            problem = f"none of the {len(candidates)} checkpoint(s) in {ckpt_dir} can be read"
         choice = [str(found.parent) if found else None, problem]
     dist.broadcast_object_list(choice, src=0)
     path, problem = choice
     if problem:
         raise ScriptError(f"{problem}; remove them or drop --resume to start over")
+    return path
+
+
+def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, int, int]:
+    """Load the newest complete checkpoint, whatever the layout that wrote it."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    path = newest_checkpoint(args.checkpoint_dir)
     if path is None:
         if rank == 0:
-            print(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting from step 0")
+            print(f"--resume: nothing in {args.checkpoint_dir} yet, starting at step 0")
         return 0, 0, 0
     train_state = torch.load(Path(path) / "train_state.pt", weights_only=True)
-    changed = {k: (train_state["meta"][k], meta[k]) for k in meta
-               if k not in ("world_size", "api", "sharding") and train_state["meta"][k] != meta[k]}
+    saved = train_state["meta"]
+    changed = [f"{k} {saved[k]} vs {meta[k]}" for k in meta
+               if k not in ("world_size", "api", "sharding") and saved[k] != meta[k]]
     if changed:
-        diff = ", ".join(f"{k} {old} vs {new}" for k, (old, new) in changed.items())
-        raise ScriptError(f"checkpoint {path} belongs to a different run (checkpoint vs now: {diff})")
+        raise ScriptError(f"checkpoint {path} belongs to a different run "
+                          f"(checkpoint vs now: {', '.join(changed)})")
 
-    # Ask for this rank's shards of everything; DCP reads just those byte ranges, whatever the
-    # layout of the processes that wrote the checkpoint.
+    # Ask for this rank's shards of everything; DCP reads just the byte ranges that
+    # overlap them, whatever the layout of the processes that wrote the checkpoint.
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as err:
         raise ScriptError(f"cannot read checkpoint {path}: {one_line(err)}") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
 
-    written_by = train_state["meta"]["world_size"]
-    if written_by == world_size:
+    if saved["world_size"] == world_size:
         restore_rng_state(train_state["rng"][rank], device)
     elif rank == 0:
-        print(f"note: checkpoint written by {written_by} processes, loaded by {world_size}: the data "
-              "order continues exactly, the per-rank RNG streams do not")
-    metrics.write(event="resume", path=path, step=train_state["step"], epoch=train_state["epoch"],
-                  written_by=written_by)
+        print(f"note: checkpoint written by {saved['world_size']} processes, loaded by "
+              f"{world_size}: the data order continues exactly, the per-rank RNG streams "
+              "do not")
+    metrics.write(event="resume", path=path, step=train_state["step"],
+                  epoch=train_state["epoch"], written_by=saved["world_size"])
     if rank == 0:
-        print(f"resumed from {path} at step {train_state['step']} (epoch {train_state['epoch']}, "
-              f"written by {written_by} process(es))")
+        print(f"resumed from {path} at step {train_state['step']} (epoch "
+              f"{train_state['epoch']}, written by {saved['world_size']} process(es))")
     return train_state["step"], train_state["epoch"], train_state["step_in_epoch"]
 
 
@@ -472,7 +495,7 @@ def train_step(model, optimizer, micro_batches, args, device) -> torch.Tensor:
     step_loss = torch.zeros((), device=device)
     for micro_step in range(args.accum_steps):
         x, y = next(micro_batches)
-        # Only the last micro-batch reduce-scatters; the others accumulate unsharded gradients.
+        # Only the last micro-batch reduce-scatters; the others accumulate full gradients.
         last = micro_step == args.accum_steps - 1
         if args.api == "fsdp2":
             model.set_requires_gradient_sync(last)

@@ -41,7 +41,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class GatherShards(torch.autograd.Function):
-    """Forward: all-gather a group's slices into its full vector. Backward: reduce-scatter the gradient."""
+    """Forward: all-gather the slices into the full vector. Backward: reduce-scatter."""
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, group: "FlatGroup") -> torch.Tensor:
@@ -52,26 +52,29 @@ class GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, full_grad: torch.Tensor):
         world_size = dist.get_world_size()
-        # Reduce in fp32 even when the gathered copies are bf16: a sum of N bf16 gradients loses bits.
+        # Reduce in fp32 even when the gathered copies are bf16: a sum of N bf16 gradients
+        # loses bits.
         shard_grad = torch.empty(full_grad.numel() // world_size, device=full_grad.device)
         dist.reduce_scatter_single(shard_grad, full_grad.float(), op=dist.ReduceOp.SUM)
-        ctx.group.free()  # every use of these parameters in backward is done once their gradient is
+        ctx.group.free()  # the gradient is complete: backward is done with the parameters
         return shard_grad.div_(world_size), None
 
 
 class FlatGroup:
-    """Parameters of one unit, flattened into one vector of which this rank keeps a 1/N slice."""
+    """Parameters of one unit, flattened into one vector; this rank keeps a 1/N slice."""
 
-    def __init__(self, uses: dict[nn.Parameter, list[tuple[nn.Module, str]]], dtype: torch.dtype):
+    def __init__(self, uses: dict[nn.Parameter, list[tuple[nn.Module, str]]],
+                 dtype: torch.dtype):
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.uses = list(uses.values())  # where each parameter appears: twice if it is tied
+        self.uses = list(uses.values())  # where each parameter appears: twice if tied
         self.shapes = [p.shape for p in uses]
         self.numels = [p.numel() for p in uses]
         flat = torch.cat([p.detach().reshape(-1) for p in uses])
-        padded = -(-flat.numel() // world_size) * world_size  # round up to a multiple of N
+        padded = -(-flat.numel() // world_size) * world_size  # a multiple of N
         flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
         trainable = next(iter(uses)).requires_grad
-        self.shard = nn.Parameter(flat.chunk(world_size)[rank].clone(), requires_grad=trainable)
+        shard = flat.chunk(world_size)[rank].clone()
+        self.shard = nn.Parameter(shard, requires_grad=trainable)
         self.full = torch.empty(padded, dtype=dtype, device=flat.device)
         self.free()
 
@@ -88,12 +91,12 @@ class FlatGroup:
         return self.full
 
     def free(self) -> None:
-        """Give the full vector's memory back; views of it stay valid for when it is gathered again."""
+        """Free the full vector's memory; its views stay valid for the next gather."""
         self.full.untyped_storage().resize_(0)
 
     def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
         pieces = full.split([*self.numels, full.numel() - sum(self.numels)])
-        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes, strict=False)]
+        return [p.view(shape) for p, shape in zip(pieces, self.shapes, strict=False)]
 
     def install(self, full: torch.Tensor) -> None:
         """Point every use of every parameter at its piece of the gathered vector."""
@@ -103,9 +106,10 @@ class FlatGroup:
 
 
 class MinimalFSDP(nn.Module):
-    """Fully sharded data parallelism in two pages: shard, gather on demand, reduce-scatter."""
+    """Fully sharded data parallelism: shard, gather on demand, reduce-scatter."""
 
-    def __init__(self, module: nn.Module, units: list[nn.Module], compute_dtype=torch.float32):
+    def __init__(self, module: nn.Module, units: list[nn.Module],
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.module = module
         with torch.no_grad():  # every rank starts from rank 0's weights, as with DDP
@@ -113,18 +117,21 @@ class MinimalFSDP(nn.Module):
                 dist.broadcast(tensor, src=0)
         self.groups: dict[nn.Module, list[FlatGroup]] = {}
         taken: set[nn.Parameter] = set()
-        for unit in [*units, module]:  # the root (module) gets what the units did not take
+        for unit in [*units, module]:  # the root gets what the units did not take
             uses: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
             for owner in unit.modules():
                 for name, param in list(owner._parameters.items()):
                     if param is not None and param not in taken:
                         uses.setdefault(param, []).append((owner, name))
-                        del owner._parameters[name]  # a plain attribute from now on, set per forward
+                        # A plain attribute from now on, set anew before every forward.
+                        del owner._parameters[name]
             taken |= set(uses)
-            # One vector has one requires_grad: frozen and trainable parameters go in separate ones.
-            by_grad = itertools.groupby(sorted(uses.items(), key=lambda kv: kv[0].requires_grad),
-                                        key=lambda kv: kv[0].requires_grad)
-            self.groups[unit] = [FlatGroup(dict(group), compute_dtype) for _, group in by_grad]
+            # One vector, one requires_grad: frozen and trainable parameters kept apart.
+            by_grad = itertools.groupby(
+                sorted(uses.items(), key=lambda kv: kv[0].requires_grad),
+                key=lambda kv: kv[0].requires_grad)
+            self.groups[unit] = [FlatGroup(dict(group), compute_dtype)
+                                 for _, group in by_grad]
             unit.register_forward_pre_hook(self._before_forward)
             unit.register_forward_hook(self._after_forward)
         self.shards = nn.ParameterList(g.shard for g in self.all_groups())
@@ -135,8 +142,8 @@ class MinimalFSDP(nn.Module):
         return [group for groups in self.groups.values() for group in groups]
 
     def forward(self, *args, **kwargs):
-        # Autograd saves views of the gathered vectors for backward. We store a recipe instead
-        # (which vector, which view) and gather the vector again when backward asks for it.
+        # Autograd saves views of the gathered vectors for backward. We store a recipe
+        # instead (which vector, which view) and gather the vector again when asked.
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             return self.module(*args, **kwargs)
 
@@ -146,7 +153,7 @@ class MinimalFSDP(nn.Module):
         self._note_memory()
 
     def _after_forward(self, unit: nn.Module, _inputs, _output) -> None:
-        if unit is not self.module:  # the root's parameters are needed first thing in backward
+        if unit is not self.module:  # the root's parameters are needed first in backward
             for group in self.groups[unit]:
                 group.free()
 
@@ -169,17 +176,17 @@ class MinimalFSDP(nn.Module):
         return group.full.as_strided(size, stride, offset)
 
     def _after_backward(self) -> None:
-        for group in self.all_groups():  # frozen groups have no backward of their own to free them
+        for group in self.all_groups():  # frozen groups have no backward to free them
             group.free()
         self.in_backward = False
 
     def _note_memory(self) -> None:
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes,
-                                       sum(g.gathered_bytes() for g in self.all_groups()))
+        gathered = sum(g.gathered_bytes() for g in self.all_groups())
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gather every group in fp32 and return the weights under their original names."""
+        """Gather every group in fp32; return the weights under their original names."""
         names = {module: name for name, module in self.module.named_modules()}
         state = {}
         for group in self.all_groups():

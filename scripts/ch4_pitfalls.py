@@ -62,31 +62,33 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 
 def submodule_call(tokens, targets) -> dict:
     model = shard(new_model())
-    # tok_emb is no FSDP unit: its weight belongs to the root, which gathers it in its own forward.
+    # tok_emb is no FSDP unit: its weight belongs to the root and its forward's hook.
     broken = attempt(lambda: model.tok_emb(tokens))
-    model.unshard()  # what the root's forward does first: gather the root's parameters
+    model.unshard()  # what the root's forward does first: gather its parameters
     embedded = model.tok_emb(tokens)
     model.reshard()
     reference = new_model().tok_emb(tokens)
-    # A block is a unit of its own: calling it directly gathers its parameters, as in forward.
+    # A block is a unit of its own: calling it directly gathers its parameters.
     block_call = attempt(lambda: model.blocks[0](embedded))
-    return {"broken_error": broken, "fixed_matches_unsharded": torch.equal(embedded, reference),
+    return {"broken_error": broken,
+            "fixed_matches_unsharded": torch.equal(embedded, reference),
             "block_call_error": block_call}
 
 
 def optimizer_too_early(tokens, targets) -> dict:
     def changed_after_one_step(optimizer_first: bool) -> int:
         model = new_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2) if optimizer_first else None
+        early = torch.optim.AdamW(model.parameters()) if optimizer_first else None
         shard(model)  # replaces every parameter by a new, sharded one
-        optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = early or torch.optim.AdamW(model.parameters())
         before = full_weights(model)
         model(tokens, targets).backward()
         optimizer.step()
         after = full_weights(model)
         return sum(not torch.equal(before[name], after[name]) for name in before)
 
-    return {"tensors": len(new_model().state_dict()), "broken_changed": changed_after_one_step(True),
+    return {"tensors": len(new_model().state_dict()),
+            "broken_changed": changed_after_one_step(True),
             "fixed_changed": changed_after_one_step(False)}
 
 
@@ -95,11 +97,11 @@ def edit_gathered_copy(tokens, targets) -> dict:
     start = model.tok_emb.weight.full_tensor().clone()
     model.unshard()
     with torch.no_grad():
-        model.tok_emb.weight.mul_(0.5)  # the gathered copy: reshard frees it, and the edit with it
+        model.tok_emb.weight.mul_(0.5)  # the gathered copy: reshard frees it, edit too
     model.reshard()
     after_broken = model.tok_emb.weight.full_tensor().clone()
     with torch.no_grad():
-        model.tok_emb.weight.mul_(0.5)  # the sharded DTensor parameter: every rank halves its shard
+        model.tok_emb.weight.mul_(0.5)  # the sharded DTensor: every rank halves its shard
     after_fixed = model.tok_emb.weight.full_tensor()
     return {"broken_unchanged": torch.equal(after_broken, start),
             "fixed_halved": torch.equal(after_fixed, start * 0.5)}
@@ -123,14 +125,14 @@ def tied_weights(tokens, targets) -> dict:
         model = new_model()
         for block in model.blocks:
             fully_shard(block)
-        fully_shard(model.head)  # the head's weight is tok_emb's weight, which the root will own
+        fully_shard(model.head)  # its weight is tok_emb's, which the root will own
         fully_shard(model)
         model(tokens, targets)  # the conflict is found when the units first run
 
     model = new_model()
     for block in model.blocks:
         fully_shard(block)
-    fully_shard([model.tok_emb, model.head])  # both users of the shared weight in one unit
+    fully_shard([model.tok_emb, model.head])  # both users of the weight in one unit
     fully_shard(model)
     loss = model(tokens, targets)
     loss.backward()
@@ -141,19 +143,20 @@ def tied_weights(tokens, targets) -> dict:
 def state_dict_one_rank(tokens, targets, store: dist.TCPStore) -> dict:
     model = shard(new_model())
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # Fixed: every rank takes part in the gather; cpu_offload leaves the result on rank 0 only.
+    # Fixed: every rank takes part in the gather; cpu_offload leaves the result on rank 0.
     full = get_model_state_dict(model, options=options)
     fixed_keys = len(full)
     broken = None
     started = datetime.datetime.now()
     if dist.get_rank() == 0:
-        # Broken: the other ranks never join the all-gathers inside, so rank 0 waits for them.
+        # Broken: the other ranks never join the all-gathers inside; rank 0 waits.
         broken = attempt(lambda: get_model_state_dict(model, options=options))
         store.set("state_dict_one_rank", "done")
     else:
         store.wait(["state_dict_one_rank"])
     seconds = (datetime.datetime.now() - started).total_seconds()
-    return {"broken_error": broken, "broken_seconds": seconds, "fixed_keys_on_rank0": fixed_keys}
+    return {"broken_error": broken, "broken_seconds": seconds,
+            "fixed_keys_on_rank0": fixed_keys}
 
 
 def side_channel(timeout_s: float) -> dist.TCPStore:

@@ -36,13 +36,13 @@ OPTIMIZERS = {
 
 
 class ShardedOptimizer:
-    """Wrap any torch.optim optimizer so that each rank holds the state of 1/N of the parameters."""
+    """Any torch.optim optimizer, with the state of 1/N of the parameters on each rank."""
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], **defaults):
         self.params = [p for p in params if p.requires_grad]
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        # Largest parameter first, each to the rank that owns the fewest elements so far. Every
-        # rank computes the same partition, so no rank has to be told who owns what.
+        # Largest parameter first, each to the rank that owns the fewest elements so far.
+        # Every rank computes the same partition, so no rank has to be told who owns what.
         self.owned: list[list[nn.Parameter]] = [[] for _ in range(world_size)]
         load = [0] * world_size
         for param in sorted(self.params, key=lambda p: p.numel(), reverse=True):
@@ -62,7 +62,8 @@ class ShardedOptimizer:
         for owner, params in enumerate(self.owned):
             flat = torch.cat([p.reshape(-1) for p in params])
             dist.broadcast(flat, src=owner)
-            for param, new in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            pieces = flat.split([p.numel() for p in params])
+            for param, new in zip(params, pieces, strict=True):
                 param.copy_(new.view_as(param))
 
     def state_bytes(self) -> int:
