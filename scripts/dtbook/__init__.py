@@ -11,6 +11,9 @@ worker side (imported by the scripts that torchrun starts; these import torch)
     ddp_inspect   what a DistributedDataParallel instance reports about its buckets
     comm_timing   timing collectives: rounds of back-to-back calls, the slowest rank's time
     measure       bytes of parameters, gradients, optimizer state and saved activations; ATen ops; step times
+    progress      loss and throughput of a training loop, every N steps
+    collectives   which collectives a step issues, on which groups, and the bytes they move
+    timing        step times of the slowest rank, configurations taking turns
 
 torch-free (the notebook side imports only these; workers use the first four too)
     cli             one-line errors for bad input, argparse types, the flags every script shares
@@ -21,6 +24,8 @@ torch-free (the notebook side imports only these; workers use the first four too
     ports           free TCP ports for rendezvous
     launch          run a companion script under torchrun (or plain python) and collect its metrics
     output_filters  condense torchrun's own stack traces so a worker's one-line error stays visible
+    cluster_lab     chapter 5's cluster in a box: network namespaces, a bridge, tbf-shaped links
+    slurm_lab       Slurm (slurmctld, slurmd per node, munge) started on the cluster lab
 
 One direction only: scripts and notebooks import dtbook; dtbook never imports a script, and the
 worker side never imports the launcher (tests/lib/test_layering.py checks both).

@@ -91,9 +91,14 @@ def restore_rng_state(state: dict, device: torch.device) -> None:
 
 def weights_fingerprint(model: torch.nn.Module) -> dict:
     """Numbers that identify a set of weights: equal weights give equal fingerprints on any world size."""
+    return state_dict_fingerprint(model.state_dict())
+
+
+def state_dict_fingerprint(state_dict: dict[str, torch.Tensor]) -> dict:
+    """``weights_fingerprint`` of a full (unsharded) state dict, such as a sharded model gathers to rank 0."""
     digest = hashlib.sha256()
     abs_sum = 0.0
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state_dict.items():
         tensor = tensor.detach().cpu().contiguous()
         digest.update(name.encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes())

@@ -67,13 +67,22 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        # GPT-2's initialization. PyTorch's default N(0, 1) embedding, tied to the output head, would
-        # make the first logits huge and the first loss several times log(vocab_size).
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialization, drawn from the global RNG in module order.
+
+        PyTorch's default N(0, 1) embedding, tied to the output head, would make the first logits
+        huge and the first loss several times log(vocab_size). A model built on the meta device
+        and materialized with ``to_empty`` calls this again to get real values.
+        """
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -84,3 +93,21 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights minus the key part of every attention block's qkv bias, for comparing two runs.
+
+    Adding a constant vector to every key adds the same number to all of a query's attention
+    scores, and softmax ignores that, so the true gradient of the key bias is exactly zero. What
+    backward computes there is rounding noise, and Adam divides by its own running RMS, turning
+    noise of any size into steps of about lr: these entries carry no information about a run and
+    legitimately differ between two runs that sum their gradients in a different order.
+    """
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("qkv.bias"):
+            n_embd = tensor.numel() // 3
+            tensor = torch.cat([tensor[:n_embd], tensor[2 * n_embd:]])
+        out[name] = tensor
+    return out

@@ -1,0 +1,204 @@
+"""Six ways to get FSDP wrong, each shown failing (or silently wrong) and then fixed.
+
+    torchrun --standalone --nproc_per_node=2 scripts/ch4_pitfalls.py
+    torchrun --standalone --nproc_per_node=2 scripts/ch4_pitfalls.py --pitfalls tied_weights
+
+submodule_call         calling a submodule that is not an FSDP unit, outside the root's forward
+optimizer_too_early    building the optimizer before fully_shard replaced the parameters
+edit_gathered_copy     changing the gathered parameters, which FSDP throws away at reshard
+mixed_apis             wrapping FSDP2 units in an FSDP1 wrapper
+tied_weights           putting two modules that share a weight into different FSDP units
+state_dict_one_rank    gathering a full state dict inside `if rank == 0:` (a deadlock)
+
+Every collective here gives up after --timeout-s seconds instead of waiting for ever, so the
+deadlock ends with an error on rank 0. It runs last: a collective that timed out leaves its
+process group unusable, so the other ranks wait for rank 0's word on a TCPStore instead.
+"""
+
+import argparse
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import fully_shard
+
+from dtbook.cli import add_backend_and_metrics, one_line, positive_int, run_main, script_parser
+from dtbook.distributed import open_metrics, start_process_group
+from dtbook.model import GPT, MODEL_SIZES
+from dtbook.ports import free_port
+
+PITFALLS = ["submodule_call", "optimizer_too_early", "edit_gathered_copy", "mixed_apis", "tied_weights",
+            "state_dict_one_rank"]
+
+
+def new_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(MODEL_SIZES["tiny"])
+
+
+def shard(model: GPT) -> GPT:
+    """The chapter's layout: every block a unit, the root holds the rest."""
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def attempt(action) -> str | None:
+    """Run ``action``; return its error as one line, or None if it worked."""
+    try:
+        action()
+    except Exception as err:  # each pitfall fails with its own exception type
+        return one_line(err)
+    return None
+
+
+def full_weights(model) -> dict[str, torch.Tensor]:
+    return {name: value.full_tensor().clone() for name, value in model.state_dict().items()}
+
+
+def submodule_call(tokens, targets) -> dict:
+    model = shard(new_model())
+    # tok_emb is no FSDP unit: its weight belongs to the root and its forward's hook.
+    broken = attempt(lambda: model.tok_emb(tokens))
+    model.unshard()  # what the root's forward does first: gather its parameters
+    embedded = model.tok_emb(tokens)
+    model.reshard()
+    reference = new_model().tok_emb(tokens)
+    # A block is a unit of its own: calling it directly gathers its parameters.
+    block_call = attempt(lambda: model.blocks[0](embedded))
+    return {"broken_error": broken,
+            "fixed_matches_unsharded": torch.equal(embedded, reference),
+            "block_call_error": block_call}
+
+
+def optimizer_too_early(tokens, targets) -> dict:
+    def changed_after_one_step(optimizer_first: bool) -> int:
+        model = new_model()
+        early = torch.optim.AdamW(model.parameters()) if optimizer_first else None
+        shard(model)  # replaces every parameter by a new, sharded one
+        optimizer = early or torch.optim.AdamW(model.parameters())
+        before = full_weights(model)
+        model(tokens, targets).backward()
+        optimizer.step()
+        after = full_weights(model)
+        return sum(not torch.equal(before[name], after[name]) for name in before)
+
+    return {"tensors": len(new_model().state_dict()),
+            "broken_changed": changed_after_one_step(True),
+            "fixed_changed": changed_after_one_step(False)}
+
+
+def edit_gathered_copy(tokens, targets) -> dict:
+    model = shard(new_model())
+    start = model.tok_emb.weight.full_tensor().clone()
+    model.unshard()
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(0.5)  # the gathered copy: reshard frees it, edit too
+    model.reshard()
+    after_broken = model.tok_emb.weight.full_tensor().clone()
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(0.5)  # the sharded DTensor: every rank halves its shard
+    after_fixed = model.tok_emb.weight.full_tensor()
+    return {"broken_unchanged": torch.equal(after_broken, start),
+            "fixed_halved": torch.equal(after_fixed, start * 0.5)}
+
+
+def mixed_apis(tokens, targets) -> dict:
+    def fsdp1_around_fsdp2():
+        model = new_model()
+        for block in model.blocks:
+            fully_shard(block)
+        FSDP(model, device_id=torch.device("cpu"))(tokens, targets).backward()
+
+    fixed = shard(new_model())
+    loss = fixed(tokens, targets)
+    loss.backward()
+    return {"broken_error": attempt(fsdp1_around_fsdp2), "fixed_loss": loss.item()}
+
+
+def tied_weights(tokens, targets) -> dict:
+    def head_in_its_own_unit():
+        model = new_model()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model.head)  # its weight is tok_emb's, which the root will own
+        fully_shard(model)
+        model(tokens, targets)  # the conflict is found when the units first run
+
+    model = new_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard([model.tok_emb, model.head])  # both users of the weight in one unit
+    fully_shard(model)
+    loss = model(tokens, targets)
+    loss.backward()
+    return {"broken_error": attempt(head_in_its_own_unit), "fixed_loss": loss.item(),
+            "fixed_still_tied": model.head.weight is model.tok_emb.weight}
+
+
+def state_dict_one_rank(tokens, targets, store: dist.TCPStore) -> dict:
+    model = shard(new_model())
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # Fixed: every rank takes part in the gather; cpu_offload leaves the result on rank 0.
+    full = get_model_state_dict(model, options=options)
+    fixed_keys = len(full)
+    broken = None
+    started = datetime.datetime.now()
+    if dist.get_rank() == 0:
+        # Broken: the other ranks never join the all-gathers inside; rank 0 waits.
+        broken = attempt(lambda: get_model_state_dict(model, options=options))
+        store.set("state_dict_one_rank", "done")
+    else:
+        store.wait(["state_dict_one_rank"])
+    seconds = (datetime.datetime.now() - started).total_seconds()
+    return {"broken_error": broken, "broken_seconds": seconds,
+            "fixed_keys_on_rank0": fixed_keys}
+
+
+def side_channel(timeout_s: float) -> dist.TCPStore:
+    """A key-value store that is no collective: it still works after a collective timed out."""
+    port = [free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], port[0], dist.get_world_size(), dist.get_rank() == 0,
+                         timeout=datetime.timedelta(seconds=10 * timeout_s))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = script_parser(__doc__)
+    parser.add_argument("--pitfalls", nargs="+", choices=PITFALLS, default=PITFALLS, metavar="NAME",
+                        help=f"which to show (default: all): {', '.join(PITFALLS)}")
+    parser.add_argument("--timeout-s", type=positive_int, default=10,
+                        help="how long any collective may wait for the other ranks (default: 10)")
+    add_backend_and_metrics(parser)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    backend, device = start_process_group(args.backend, timeout_s=args.timeout_s)
+    metrics = open_metrics(args.metrics, backend, device)
+    store = side_channel(args.timeout_s)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, MODEL_SIZES["tiny"].vocab_size, (2, MODEL_SIZES["tiny"].context), device=device)
+    targets = torch.roll(tokens, -1, dims=1)
+    torch.set_default_device(device)
+    demos = {"submodule_call": submodule_call, "optimizer_too_early": optimizer_too_early,
+             "edit_gathered_copy": edit_gathered_copy, "mixed_apis": mixed_apis, "tied_weights": tied_weights}
+    for name in [p for p in PITFALLS if p in args.pitfalls]:
+        if name == "state_dict_one_rank":
+            outcome = state_dict_one_rank(tokens, targets, store)
+        else:
+            outcome = demos[name](tokens, targets)
+        metrics.write(event="pitfall", name=name, **outcome)
+        if dist.get_rank() == 0:
+            print(f"{name}: {outcome}", flush=True)
+    metrics.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_main(main)

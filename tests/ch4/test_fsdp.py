@@ -1,0 +1,130 @@
+"""The contract of scripts/ch4_fsdp.py that no notebook run covers: refusals of bad input.
+
+Process launches are what costs time on two cores, and the chapter's notebooks, which the quick book
+build runs in `make test`, already launch the programs and assert every claim of the chapter, each
+comparison with a control that must fail it:
+
+- FSDP2 and FSDP1, full and grad-op sharding (and ZeRO-1, root-only, hybrid, no-shard) equal to DDP:
+  sections 1 and 4 after two steps, section 3 for whole runs of ch4_fsdp.py, HSDP included;
+- the hand-written ZeRO-1 optimizer and minimal FSDP equal to their references: section 2;
+- per-rank memory against the formulas (exact, ZeRO-1 within one parameter) and the communication
+  derivation (exact): sections 1 and 4;
+- a DCP checkpoint saved by 4 processes, loaded by 2 and by 1 (FSDP1), with the same losses: section 5;
+- an exact (torch.equal) resume after SIGKILL with dropout, accumulation, activation
+  checkpointing, CPU offload and meta-device initialization, across an epoch boundary: section 5.
+
+The tests here check what those runs cannot: every impossible combination refused in one line, in
+process; one refusal end to end; the size-based wrap policy in a world of one; the ring formulas.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from dtbook.cli import ScriptError
+from dtbook.collectives import ring_traffic
+from dtbook.ports import free_port
+from support import SCRIPTS, run_python
+
+SCRIPT = "ch4_fsdp.py"
+
+
+def load_program():
+    spec = importlib.util.spec_from_file_location("ch4_fsdp", SCRIPTS / SCRIPT)
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    return program
+
+
+@pytest.fixture(scope="module")
+def program():
+    return load_program()
+
+
+@pytest.mark.parametrize("args, world, local, on_gpu, problem", [
+    (["--sharding", "no_shard"], 2, 2, False, "FSDP2 has no no_shard"),
+    (["--wrap", "size"], 2, 2, False, "--wrap size is an FSDP1"),
+    (["--sharding", "hybrid"], 3, 2, False, "cannot build a mesh"),
+    (["--sharding", "hybrid", "--shard-group-size", "2"], 6, 6, False, None),
+    (["--sharding", "hybrid", "--shard-group-size", "4"], 6, 6, False, "do not split into shard groups of 4"),
+    (["--sharding", "hybrid", "--shard-group-size", "4"], 2, 2, False, "cannot build a mesh"),
+    (["--shard-group-size", "2"], 4, 4, False, "only applies to --sharding hybrid"),
+    (["--api", "fsdp1", "--cpu-offload"], 2, 2, False, "needs CUDA"),
+    (["--api", "fsdp1", "--cpu-offload"], 2, 2, True, None),
+    (["--api", "fsdp2", "--cpu-offload"], 2, 2, False, None),
+    (["--api", "fsdp1", "--meta-init"], 2, 2, False, "--meta-init"),
+    (["--api", "fsdp1", "--sharding", "no_shard"], 2, 2, False, None),
+    (["--batch-size", "5000"], 2, 2, False, "corpus has only"),
+    (["--crash-at-step", "3", "--crash-rank", "2"], 2, 2, False, "--crash-rank 2"),
+])
+def test_impossible_combinations_are_refused(program, args, world, local, on_gpu, problem):
+    parsed = program.parse_args(args)
+    if problem is None:
+        program.check_inputs(parsed, world, local, 2499, on_gpu)
+        return
+    with pytest.raises(ScriptError, match=problem) as refused:
+        program.check_inputs(parsed, world, local, 2499, on_gpu)
+    assert "\n" not in str(refused.value)
+
+
+def test_hybrid_shard_group_defaults_to_one_node(program):
+    parsed = program.parse_args(["--sharding", "hybrid"])
+    program.check_inputs(parsed, 8, 4, 2499, False)
+    assert parsed.shard_group_size == 4
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--async-save"], "--async-save needs --checkpoint-dir"),
+    (["--sharding", "zero3"], "invalid choice"),
+    (["--dropout", "1.5"], "--dropout"),
+])
+def test_bad_flags_are_refused_by_the_parser(program, args, problem, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        program.parse_args(args)
+    assert exit_info.value.code == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_a_refused_combination_is_one_line_and_a_nonzero_exit():
+    done = run_python(SCRIPT, "--model", "tiny", "--sharding", "no_shard", check=False, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 2
+    assert len(errors) == 1 and "no_shard" in errors[0]
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("kind, group, expected", [
+    ("all_reduce", 4, 2 * 3 / 4 * 1000),
+    ("all_gather", 4, 3 / 4 * 1000),
+    ("reduce_scatter", 2, 1 / 2 * 1000),
+    ("broadcast", 1, 0.0),
+])
+def test_ring_traffic(kind, group, expected):
+    assert ring_traffic(kind, 1000, group) == expected
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """This test process as a world of one, so a wrapper can be built without launching anything."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_size_policy_never_separates_the_tied_weight(program, world_of_one):
+    from dtbook.model import GPT, MODEL_SIZES
+
+    args = program.parse_args(["--api", "fsdp1", "--wrap", "size", "--min-wrap-params", "5000"])
+    torch.manual_seed(0)
+    model = program.shard_fsdp1(GPT(MODEL_SIZES["tiny"]), args, None, torch.device("cpu"))
+    units = program.describe_units(model)
+    # The plain size policy would make the head (8192 parameters) a unit of its own.
+    assert units == ["", "blocks.0.mlp", "blocks.1.mlp"], units
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    assert model(tokens, tokens).isfinite()
