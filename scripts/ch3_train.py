@@ -69,6 +69,7 @@ from dtbook.cli import (
 from dtbook.data import DEFAULTS, corpus_windows, rank_loader
 from dtbook.distributed import choose_backend, ddp_device_ids, open_metrics, use_single_process_defaults
 from dtbook.model import GPT, MODEL_SIZES
+from dtbook.progress import Progress
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CHECKPOINT_KEYS = {"model", "optimizer", "scaler", "step", "epoch", "step_in_epoch", "rng", "meta"}
@@ -336,47 +337,6 @@ def train_step(model, optimizer, scaler, micro_batches, args, device) -> torch.T
     return step_loss
 
 
-class Progress:
-    """Loss and throughput every --log-every steps, on rank 0's console and in the metrics."""
-
-    def __init__(self, args, total_steps: int, global_batch: int, metrics):
-        self.args, self.total_steps, self.global_batch, self.metrics = args, total_steps, global_batch, metrics
-        self.losses: list[float] = []
-        self.steps_this_run = self.steps_since_log = 0
-        self.start = self.last_log = time.perf_counter()
-        self.excluded_s = 0.0
-
-    def step_done(self, step: int, epoch: int, step_loss: torch.Tensor, scaler) -> None:
-        self.steps_this_run += 1
-        self.steps_since_log += 1
-        if step % self.args.log_every and step != self.total_steps:
-            return
-        # Every rank saw a different slice of the batch: the mean over ranks is the global batch's loss.
-        dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-        self.losses.append(step_loss.item() / dist.get_world_size())
-        step_time = (time.perf_counter() - self.last_log) / self.steps_since_log
-        record = {"step": step, "epoch": epoch, "loss": self.losses[-1], "step_time_s": step_time,
-                  "samples_per_s": self.global_batch / step_time}
-        if self.args.amp == "fp16":
-            record["grad_scale"] = scaler.get_scale()
-        self.metrics.write(event="step", **record)
-        printing = step % self.args.print_every == 0 or step == self.total_steps
-        if printing and dist.get_rank() == 0:
-            print(f"step {step:>5}/{self.total_steps} | epoch {epoch} | loss {self.losses[-1]:.4f} | "
-                  f"{record['samples_per_s']:,.0f} samples/s", flush=True)
-        self.last_log, self.steps_since_log = time.perf_counter(), 0
-
-    def exclude_since(self, started: float) -> float:
-        """Time since ``started`` (writing a checkpoint) counts in neither samples/s nor training time."""
-        seconds = time.perf_counter() - started
-        self.last_log += seconds
-        self.excluded_s += seconds
-        return seconds
-
-    def train_seconds(self) -> float:
-        return time.perf_counter() - self.start - self.excluded_s
-
-
 def summarize(args, model, metrics, step: int, progress: Progress) -> None:
     """The run's last record: steps, first and final loss, throughput, and the weights' fingerprint."""
     fingerprint = weights_fingerprint(model.module)
@@ -444,7 +404,7 @@ def main() -> None:
     stop_request = StopRequest() if args.checkpoint_dir else None
     metrics.write(event="started", step=step, unix_time=time.time(),
                   restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    progress = Progress(args, total_steps, global_batch, metrics)
+    progress = Progress(args.log_every, total_steps, global_batch, metrics, args.print_every)
     model.train()
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
         # Without set_epoch every epoch would replay the same shuffle.
@@ -459,7 +419,10 @@ def main() -> None:
             step_loss = train_step(model, optimizer, scaler, micro_batches, args,
                                    device)
             step += 1
-            progress.step_done(step, epoch, step_loss, scaler)
+            if args.amp == "fp16":
+                progress.step_done(step, epoch, step_loss, grad_scale=scaler.get_scale())
+            else:
+                progress.step_done(step, epoch, step_loss)
             if args.checkpoint_dir and (step % args.save_every == 0
                                         or step == total_steps):
                 saved_at = time.perf_counter()

@@ -16,10 +16,13 @@ from dtbook.metrics import MetricsWriter
 
 
 class Progress:
-    """Call ``step_done`` after every optimizer step; it logs every ``log_every`` steps and at the end."""
+    """Call ``step_done`` after every optimizer step; it logs every ``log_every`` steps and at the end,
+    and prints every ``print_every`` logged steps (default: each one) so long runs fit on a screen."""
 
-    def __init__(self, log_every: int, total_steps: int, global_batch: int, metrics: MetricsWriter):
+    def __init__(self, log_every: int, total_steps: int, global_batch: int, metrics: MetricsWriter,
+                 print_every: int | None = None):
         self.log_every, self.total_steps, self.global_batch = log_every, total_steps, global_batch
+        self.print_every = print_every or log_every
         self.metrics = metrics
         self.losses: list[float] = []
         self.steps_this_run = self.steps_since_log = 0
@@ -39,7 +42,8 @@ class Progress:
         record = {"step": step, "epoch": epoch, "loss": self.losses[-1], "step_time_s": step_time,
                   "samples_per_s": self.global_batch / step_time, **extra}
         self.metrics.write(event="step", **record)
-        if dist.get_rank() == 0:
+        printing = step % self.print_every == 0 or step == self.total_steps
+        if printing and dist.get_rank() == 0:
             print(f"step {step:>5}/{self.total_steps} | epoch {epoch} | loss {self.losses[-1]:.4f} | "
                   f"{record['samples_per_s']:,.0f} samples/s", flush=True)
         self.last_log, self.steps_since_log = time.perf_counter(), 0
