@@ -358,8 +358,8 @@ def summarize(args, model, metrics, step: int, progress: Progress) -> None:
 def main() -> None:
     args = parse_args()
     use_single_process_defaults()
-    # Also pins MKL's GEMM code path, so that the same command gives the same bits every time
-    # (scripts/dtbook/reproducibility.py): kill-and-resume can then end with torch.equal weights.
+    # Also pins MKL's GEMM code path, so the same command gives the same bits
+    # every time (dtbook/reproducibility.py): kill-and-resume ends torch.equal.
     backend, device = choose_backend(args.backend)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.global_batch_size:
@@ -404,7 +404,8 @@ def main() -> None:
     stop_request = StopRequest() if args.checkpoint_dir else None
     metrics.write(event="started", step=step, unix_time=time.time(),
                   restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-    progress = Progress(args.log_every, total_steps, global_batch, metrics, args.print_every)
+    progress = Progress(args.log_every, total_steps, global_batch, metrics,
+                        args.print_every)
     model.train()
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
         # Without set_epoch every epoch would replay the same shuffle.
@@ -420,7 +421,8 @@ def main() -> None:
                                    device)
             step += 1
             if args.amp == "fp16":
-                progress.step_done(step, epoch, step_loss, grad_scale=scaler.get_scale())
+                progress.step_done(step, epoch, step_loss,
+                                   grad_scale=scaler.get_scale())
             else:
                 progress.step_done(step, epoch, step_loss)
             if args.checkpoint_dir and (step % args.save_every == 0
@@ -445,7 +447,8 @@ def main() -> None:
                 # One write, so the message stays one line among the other ranks'.
                 sys.stderr.write(f"[rank {rank}] fault injection: SIGKILL after "
                                  f"step {step}\n")
-                metrics.write(event="fault_injected", step=step, unix_time=time.time())
+                metrics.write(event="fault_injected", step=step,
+                              unix_time=time.time())
                 os.kill(os.getpid(), signal.SIGKILL)
 
     summarize(args, model, metrics, step, progress)

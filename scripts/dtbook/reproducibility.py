@@ -34,10 +34,10 @@ REPRODUCIBLE_CPU_MATH = {"MKL_CBWR": "AUTO,STRICT"}
 
 
 def require_reproducible_cpu_math() -> dict[str, str]:
-    """Put MKL's reproducibility setting into this process's environment, unless already set.
+    """Put MKL's reproducibility setting into this process's environment, unless set.
 
-    Returns the values in force. Must run before the process's first matrix product; child
-    processes (torchrun's workers, mp.spawn's) inherit it.
+    Returns the values in force. Must run before the process's first matrix
+    product; child processes (torchrun's workers, mp.spawn's) inherit it.
     """
     for name, value in REPRODUCIBLE_CPU_MATH.items():
         os.environ.setdefault(name, value)
