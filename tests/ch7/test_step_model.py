@@ -5,6 +5,8 @@ chapter 2's alpha-beta model, overlapped with backward. Each case below has an a
 from the model's two assumptions alone, so a wrong schedule fails one of them.
 """
 
+from itertools import pairwise
+
 import pytest
 
 from dtbook.cost_model import AlphaBeta, bucket_schedule, ddp_step_seconds, naive_step_seconds
@@ -47,7 +49,7 @@ def test_a_slow_link_queues_the_buckets_one_after_another():
     backward = 1e-4  # all buckets are ready almost at once; the link is the bottleneck
     schedule = bucket_schedule(backward, buckets, 2, LINK)
     assert schedule[-1][2] == pytest.approx(backward / 4 + 4 * comm(MIB), rel=1e-12)
-    for (_, _, previous_end), (ready, start, end) in zip(schedule, schedule[1:]):
+    for (_, _, previous_end), (ready, start, end) in pairwise(schedule):
         assert start == max(ready, previous_end) and end > start
 
 
