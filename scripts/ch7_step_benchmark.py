@@ -7,7 +7,7 @@
         --rdzv-endpoint=node0:29500 scripts/ch7_step_benchmark.py
 
 The step is ch3_train.py's (the book's GPT at --model, --batch-size windows per process,
-AdamW). For each --bucket-caps value it is timed four ways, in turns, step by step:
+AdamW). For each --batch-size and --bucket-caps value it is timed four ways, in turns:
 
   T_local  forward, backward and optimizer inside no_sync(): no communication at all;
            its three phases are timed too, for the cost model of chapter 7
@@ -55,8 +55,8 @@ def parse_args() -> argparse.Namespace:
     add = parser.add_argument
     add("--model", choices=sorted(MODEL_SIZES), default="medium",
         help="model size (default: medium, whose gradients take tens of ms at 1 Gbit/s)")
-    add("--batch-size", type=positive_int, default=2,
-        help="windows per process (default 2)")
+    add("--batch-size", nargs="+", type=positive_int, default=[2], metavar="N",
+        help="windows per process; one table row per value (default 2)")
     add("--bucket-caps", nargs="+", type=positive_float, default=[1.0], metavar="MiB",
         help="one table row per DDP bucket_cap_mb (default: 1)")
     add("--steps", type=positive_int, default=10, help="timed steps per row (default 10)")
@@ -97,7 +97,8 @@ def ddp_step(ddp, optimizer, data) -> None:
 
 
 def local_step(ddp, optimizer, data, phases: list) -> None:
-    """The step without communication; appends (forward, backward, optimizer) seconds."""
+    """The step without communication; appends its phases' (forward, backward,
+    optimizer) seconds."""
     x, y = next(data)
     start = time.perf_counter()
     with ddp.no_sync():
@@ -112,7 +113,7 @@ def local_step(ddp, optimizer, data, phases: list) -> None:
 
 
 def all_reduce_buckets(buffers) -> None:
-    """DDP's communication alone: one all-reduce per bucket, all in flight, then wait."""
+    """DDP's communication alone: an all-reduce per bucket, all in flight, then wait."""
     for work in [dist.all_reduce(buffer, async_op=True) for buffer in buffers]:
         work.wait()
 
@@ -130,7 +131,7 @@ def spread(ms: list[float]) -> dict:
 
 
 def measure(args, cap: float, batches, device) -> dict:
-    """The four timings of one bucket cap, with the layout they were taken with."""
+    """The four timings of one bucket cap and batch, with the layout they were taken with."""
     data = cycle(batches)
     ddp = DDP(fresh_model(args, device), device_ids=ddp_device_ids(device),
               bucket_cap_mb=cap)
@@ -186,11 +187,11 @@ def check_gradients(args, batches, device) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     names = ("local", "ddp", "comm", "naive")
-    print(f"{'cap MiB':>7} {'buckets':>7} " + " ".join(f"{'T_' + n + ' ms':>12}" for n in names)
-          + f" {'exposed DDP':>11} {'naive':>6}")
+    header = " ".join(f"{'T_' + n + ' ms':>12}" for n in names)
+    print(f"{'batch':>5} {'cap MiB':>7} {'buckets':>7} {header} {'exposed DDP':>11} {'naive':>6}")
     for r in rows:
         times = " ".join(f"{r[f't_{n}_ms']:>12.1f}" for n in names)
-        print(f"{r['bucket_cap_mb']:>7g} {r['buckets']:>7} {times} "
+        print(f"{r['batch_size']:>5} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {times} "
               f"{r['exposed_ddp']:>11.2f} {r['exposed_naive']:>6.2f}")
     print("(medians of the slowest rank; p25-p75 in the metrics)")
 
@@ -205,24 +206,25 @@ def main() -> None:
     metrics = open_metrics(args.metrics, backend, device)
     cfg = MODEL_SIZES[args.model]  # ch3_train.py's data: windows of a synthetic corpus
     dataset = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
-    batches = first_batches(dataset, args.batch_size, rank, world_size, args.seed, 4,
-                            device)
+    def batches(batch_size: int) -> list:
+        return first_batches(dataset, batch_size, rank, world_size, args.seed, 4, device)
+
     if args.check_gradients:
-        check = check_gradients(args, batches, device)
+        check = check_gradients(args, batches(args.batch_size[0]), device)
         metrics.write(event="gradients", **check)
         if rank == 0:
             print(f"naive loop vs DDP: largest gradient difference "
                   f"{check['naive_relative_difference']:.1e} of the largest gradient; "
                   f"without averaging: {check['control_relative_difference']:.1e}")
     rows = []
-    for cap in args.bucket_caps:
-        row = measure(args, cap, batches, device)
-        metrics.write(event="step", model=args.model, batch_size=args.batch_size,
-                      world_size=world_size, **row)
-        rows.append(row)
+    for batch_size in args.batch_size:
+        for cap in args.bucket_caps:
+            row = {"batch_size": batch_size, **measure(args, cap, batches(batch_size), device)}
+            metrics.write(event="step", model=args.model, world_size=world_size, **row)
+            rows.append(row)
     if rank == 0:
-        print(f"{args.model} model, batch {args.batch_size} per process, {world_size} "
-              f"process(es), {backend} on {device.type}; {args.steps} timed steps per row")
+        print(f"{args.model} model, {world_size} process(es), {backend} on {device.type}; "
+              f"{args.steps} timed steps per row")
         print_table(rows)
     metrics.close()
     dist.destroy_process_group()

@@ -164,8 +164,10 @@ def bucket_schedule(backward_s: float, bucket_bytes: list[int], world_size: int,
 
 
 def ddp_step_seconds(forward_s: float, backward_s: float, optimizer_s: float,
-                     bucket_bytes: list[int], world_size: int, link: AlphaBeta) -> float:
-    """A DDP step: forward, backward overlapped with the buckets' all-reduces, optimizer.
+                     bucket_bytes: list[int], world_size: int,
+                     link: AlphaBeta) -> float:
+    """A DDP step: forward, backward overlapped with the buckets' all-reduces,
+    optimizer.
 
     The optimizer waits for whichever ends last, backward or the last all-reduce.
     """
@@ -174,7 +176,8 @@ def ddp_step_seconds(forward_s: float, backward_s: float, optimizer_s: float,
 
 
 def naive_step_seconds(forward_s: float, backward_s: float, optimizer_s: float,
-                       tensor_bytes: list[int], world_size: int, link: AlphaBeta) -> float:
-    """A loop that all-reduces each gradient tensor, one after another, after backward."""
+                       tensor_bytes: list[int], world_size: int,
+                       link: AlphaBeta) -> float:
+    """A loop that all-reduces each gradient tensor, one at a time, after backward."""
     communication = sum(link.predict(n, world_size) for n in tensor_bytes)
     return forward_s + backward_s + communication + optimizer_s
