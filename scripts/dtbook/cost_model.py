@@ -143,12 +143,12 @@ class AlphaBeta:
 
 def bucket_schedule(backward_s: float, bucket_bytes: list[int], world_size: int,
                     link: AlphaBeta) -> list[tuple[float, float, float]]:
-    """(ready, start, end) of each bucket's all-reduce, in seconds from the start of backward.
+    """(ready, start, end) of each bucket's all-reduce, in s since backward began.
 
-    Two assumptions make the model: backward computes gradients at a steady rate in bytes, so
-    bucket k is ready once the share of backward that its and the earlier buckets' bytes make
-    up has run; and the link carries one all-reduce at a time, in bucket order, each taking
-    what ``link`` predicts for its size.
+    Two assumptions make the model: backward computes gradients at a steady rate in
+    bytes, so bucket k is ready once the share of backward that its and the earlier
+    buckets' bytes make up has run; and the link carries one all-reduce at a time, in
+    bucket order, each taking what ``link`` predicts for its size.
     """
     total = sum(bucket_bytes)
     if total <= 0:
