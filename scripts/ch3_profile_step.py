@@ -14,7 +14,6 @@ otherwise fill a single bucket, whose all-reduce cannot start before the last gr
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.intervals import busy_ms, overlap_ms, read_intervals
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.paths import RUNS_DIR
 
@@ -49,56 +49,27 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def is_collective(event: dict) -> bool:
+def is_collective(name: str) -> bool:
     """The backend's own record of an all-reduce (gloo:all_reduce, nccl:all_reduce, NCCL kernels).
 
     It lasts from when the backend picks the bucket up until the result is there, which includes
     waiting for the other ranks to hand over the same bucket.
     """
-    name = event["name"].lower()
+    name = name.lower()
     return not name.startswith("c10d::") and ("all_reduce" in name or "allreduce" in name)
 
 
-def read_intervals(trace_path: Path) -> list[dict]:
-    """The events the timeline needs, from the exported trace, in ms from the start of the step."""
-    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"]
-    step_start = min(e["ts"] for e in events if e["name"] == "forward")
-    intervals = []
-    for e in events:
-        if e["name"] in REGIONS:
-            kind = e["name"]
-        elif e["name"] == "c10d::allreduce_":
-            kind = "all-reduce launched"
-        elif is_collective(e):
-            kind = "all-reduce in progress"
-        elif e["name"].startswith("autograd::engine::evaluate_function"):
-            kind = "gradient computation"
-        else:
-            continue
-        start = (e["ts"] - step_start) / 1000
-        intervals.append({"kind": kind, "name": e["name"], "thread": str(e["tid"]), "start_ms": start,
-                          "end_ms": start + e["dur"] / 1000})
-    return intervals
-
-
-def merged(intervals: list[dict]) -> list[list[float]]:
-    """The same time covered by disjoint [start, end] spans."""
-    spans = []
-    for i in sorted(intervals, key=lambda i: i["start_ms"]):
-        if spans and i["start_ms"] <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], i["end_ms"])
-        else:
-            spans.append([i["start_ms"], i["end_ms"]])
-    return spans
-
-
-def busy_ms(intervals: list[dict]) -> float:
-    return sum(end - start for start, end in merged(intervals))
-
-
-def overlap_ms(a: list[dict], b: list[dict]) -> float:
-    """How long something from ``a`` and something from ``b`` run at the same time."""
-    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in merged(a) for s2, e2 in merged(b))
+def interval_kind(name: str) -> str | None:
+    """What the timeline calls a trace event, or None for the events it leaves out."""
+    if name in REGIONS:
+        return name
+    if name == "c10d::allreduce_":
+        return "all-reduce launched"
+    if is_collective(name):
+        return "all-reduce in progress"
+    if name.startswith("autograd::engine::evaluate_function"):
+        return "gradient computation"
+    return None
 
 
 def summarize(intervals: list[dict], trace_path: Path, per_bucket: list[int]) -> dict:
@@ -168,7 +139,7 @@ def main() -> None:
     layout = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
     per_bucket = [len(bucket.split()) for bucket in layout.split(",")]
     if rank == 0:
-        intervals = read_intervals(trace_path)
+        intervals = read_intervals(trace_path, interval_kind)
         summary = summarize(intervals, trace_path, per_bucket)
         metrics = open_metrics(args.metrics, backend, device)
         for interval in intervals:

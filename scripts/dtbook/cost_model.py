@@ -17,7 +17,9 @@ broadcast, pipelined-chain) algorithms whose bus bandwidth nccl-tests reports:
 
 b is nccl-tests' bus-bandwidth factor: busbw = b * n / t, which tends to 1/beta for large n.
 Chapter 2 fits alpha and beta to measured times and saves them as JSON; later chapters load the
-file to predict what a training step's communication costs. No torch here: reading and using the
+file to predict what a training step's communication costs. Chapter 7 builds a DDP step on it
+(``ddp_step_seconds``): measured compute phases plus the buckets' all-reduces, overlapped with
+backward as the model of ``bucket_schedule`` says. No torch here: reading and using the
 model needs none.
 """
 
@@ -135,3 +137,47 @@ class AlphaBeta:
             raise ValueError(f"{path} is not an alpha-beta model file (format {record.get('format')!r}, "
                              f"expected {FORMAT!r})")
         return cls(float(record["alpha_s"]), float(record["beta_s_per_byte"]), record.get("fitted_on", {}))
+
+
+# ---------------------------------------------------------------- a training step
+
+def bucket_schedule(backward_s: float, bucket_bytes: list[int], world_size: int,
+                    link: AlphaBeta) -> list[tuple[float, float, float]]:
+    """(ready, start, end) of each bucket's all-reduce, in s since backward began.
+
+    Two assumptions make the model: backward computes gradients at a steady rate in
+    bytes, so bucket k is ready once the share of backward that its and the earlier
+    buckets' bytes make up has run; and the link carries one all-reduce at a time, in
+    bucket order, each taking what ``link`` predicts for its size.
+    """
+    total = sum(bucket_bytes)
+    if total <= 0:
+        raise ValueError("bucket_bytes must hold at least one byte")
+    schedule, done_bytes, link_free = [], 0, 0.0
+    for nbytes in bucket_bytes:
+        done_bytes += nbytes
+        ready = backward_s * done_bytes / total
+        start = max(ready, link_free)
+        link_free = start + link.predict(nbytes, world_size)
+        schedule.append((ready, start, link_free))
+    return schedule
+
+
+def ddp_step_seconds(forward_s: float, backward_s: float, optimizer_s: float,
+                     bucket_bytes: list[int], world_size: int,
+                     link: AlphaBeta) -> float:
+    """A DDP step: forward, backward overlapped with the buckets' all-reduces,
+    optimizer.
+
+    The optimizer waits for whichever ends last, backward or the last all-reduce.
+    """
+    last_end = bucket_schedule(backward_s, bucket_bytes, world_size, link)[-1][2]
+    return forward_s + max(backward_s, last_end) + optimizer_s
+
+
+def naive_step_seconds(forward_s: float, backward_s: float, optimizer_s: float,
+                       tensor_bytes: list[int], world_size: int,
+                       link: AlphaBeta) -> float:
+    """A loop that all-reduces each gradient tensor, one at a time, after backward."""
+    communication = sum(link.predict(n, world_size) for n in tensor_bytes)
+    return forward_s + backward_s + communication + optimizer_s
