@@ -67,7 +67,10 @@ logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(
 
 
 def use_cache(directory: Path | None) -> tuple[str, bool]:
-    """Point inductor at its cache before anything compiles; return it and whether it was empty."""
+    """Point inductor at its cache before anything compiles.
+
+    Returns the cache's directory and whether it was empty.
+    """
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory.resolve())
@@ -86,7 +89,7 @@ def build(cfg, device, seed: int, lr: float, distributed: bool):
 
 
 def trainer(model, optimizer, batches, losses: list[float]):
-    """One training step per call, on the next batch; the loss goes into ``losses``."""
+    """One training step per call, on the next batch; its loss goes to ``losses``."""
     remaining = iter(batches)
 
     def step() -> None:
@@ -150,6 +153,10 @@ def main() -> None:
                   f"{ms[len(ms) // 2]:7.2f} ms (min {ms[0]:.2f}, max {ms[-1]:.2f})   "
                   f"last loss {losses[name][-1]:.4f}")
     metrics.close()
+    # A gloo thread that frees a finished collective's tensors needs the GIL, which
+    # destroy_process_group holds while it joins that thread: a hang at exit, seen here under
+    # load (torch 2.13). A last barrier waits without the GIL, so the thread can finish first.
+    dist.barrier()
     dist.destroy_process_group()
 
 
