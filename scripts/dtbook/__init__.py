@@ -20,6 +20,8 @@ torch-free (the notebook side imports only these; workers use the first four too
     metrics         JSON-lines metrics written by rank 0, read back by notebooks and tests
     reproducibility the setting that makes CPU matrix products reproducible bit for bit (MKL_CBWR)
     cost_model      the alpha-beta model of a collective's time: fit, save, load, predict
+    intervals       a profiler trace's events as intervals: merge, busy time, overlap
+    capacity        what fits on a GPU and when data parallelism waits for the network (formulas)
     paths           where the repository, the scripts and the run artefacts are
     ports           free TCP ports for rendezvous
     launch          run a companion script under torchrun (or plain python) and collect its metrics
