@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import yaml
@@ -120,7 +122,7 @@ def execute(notebook: Path, target: Path, parameters: dict, cell_timeout: int, r
 
 
 def stage_and_execute(
-    root: Path, out: Path, parameters: dict, cell_timeout: int, force: bool
+    root: Path, out: Path, parameters: dict, cell_timeout: int, force: bool, jobs: int
 ) -> list[tuple[str, str, float]]:
     staging = out / "source"
     staging.mkdir(parents=True, exist_ok=True)
@@ -136,41 +138,63 @@ def stage_and_execute(
 
     stamps_path = out / "fingerprints.json"
     stamps = json.loads(stamps_path.read_text()) if stamps_path.exists() else {}
-    report = []
+    report: dict[str, tuple[str, str, float]] = {}
+    pending = []
     for notebook in toc_notebooks(root):
         rel = notebook.relative_to(root).as_posix()
-        target = staging / rel
         previous = stamps.get(rel) if isinstance(stamps.get(rel), dict) else {}
         stamp = fingerprint(notebook, parameters, root / "scripts", previous.get("launched", []))
-        if not force and previous.get("stamp") == stamp and target.exists():
-            report.append((rel, "skipped (unchanged)", 0.0))
-            continue
-        print(f"executing {rel} ...", flush=True)
-        stamps.pop(rel, None)
-        start = time.perf_counter()
-        launched = execute_recording_launches(notebook, target, parameters, cell_timeout, root, out)
-        report.append((rel, "executed", time.perf_counter() - start))
-        stamps[rel] = {"stamp": fingerprint(notebook, parameters, root / "scripts", launched),
-                       "launched": launched}
-        stamps_path.write_text(json.dumps(stamps, indent=1))
-    return report
-
-
-def execute_recording_launches(notebook: Path, target: Path, parameters: dict, cell_timeout: int, root: Path,
-                               out: Path) -> list[str]:
-    """Execute the notebook; return the scripts (relative to scripts/) that it launched."""
-    log = out / "launches.txt"
-    log.unlink(missing_ok=True)
-    saved = os.environ.get(LAUNCH_LOG_VARIABLE)
-    os.environ[LAUNCH_LOG_VARIABLE] = str(log)  # the kernel, and so the launcher, inherit it
-    try:
-        execute(notebook, target, parameters, cell_timeout, root)
-    finally:
-        if saved is None:
-            os.environ.pop(LAUNCH_LOG_VARIABLE, None)
+        if not force and previous.get("stamp") == stamp and (staging / rel).exists():
+            report[rel] = (rel, "skipped (unchanged)", 0.0)
         else:
-            os.environ[LAUNCH_LOG_VARIABLE] = saved
-    return sorted(set(log.read_text().split())) if log.exists() else []
+            stamps.pop(rel, None)
+            pending.append(notebook)
+    stamps_path.write_text(json.dumps(stamps, indent=1))
+
+    # Notebooks are independent (each writes under its own runs/ folder, labs take free slots),
+    # and much of a notebook's time is spent waiting: for torchrun's start, a rendezvous, a
+    # timeout it demonstrates. A second notebook fills those waits.
+    failure = None
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        running = {pool.submit(execute_recording_launches, notebook, staging / rel_of(notebook, root),
+                               parameters, cell_timeout, root, out): notebook for notebook in pending}
+        for done in as_completed(running):
+            if done.cancelled():
+                continue
+            notebook = running[done]
+            rel = rel_of(notebook, root)
+            try:
+                launched, seconds = done.result()
+            except BuildError as err:
+                failure = failure or err
+                for future in running:
+                    future.cancel()  # a failed build stops; what already runs finishes
+                continue
+            print(f"executed {rel} in {seconds:.1f} s", flush=True)
+            report[rel] = (rel, "executed", seconds)
+            stamps[rel] = {"stamp": fingerprint(notebook, parameters, root / "scripts", launched),
+                           "launched": launched}
+            stamps_path.write_text(json.dumps(stamps, indent=1))
+    if failure:
+        raise failure
+    return [report[rel_of(notebook, root)] for notebook in toc_notebooks(root)]
+
+
+def rel_of(notebook: Path, root: Path) -> str:
+    return notebook.relative_to(root).as_posix()
+
+
+def execute_recording_launches(notebook: Path, target: Path, parameters: dict, cell_timeout: int,
+                               root: Path, out: Path) -> tuple[list[str], float]:
+    """Execute the notebook (in a worker process of its own); return the scripts (relative to
+    scripts/) that it launched, and the seconds it took."""
+    log = out / "launches" / (rel_of(notebook, root).replace("/", "__") + ".txt")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.unlink(missing_ok=True)
+    os.environ[LAUNCH_LOG_VARIABLE] = str(log)  # the kernel, and so the launcher, inherit it
+    start = time.perf_counter()
+    execute(notebook, target, parameters, cell_timeout, root)
+    return (sorted(set(log.read_text().split())) if log.exists() else []), time.perf_counter() - start
 
 
 def stage_mathjax(staging: Path) -> None:
@@ -216,6 +240,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="output folder (default: _build/book, or _build/quick with --quick)")
     parser.add_argument("--force", action="store_true", help="re-execute every notebook, changed or not")
     parser.add_argument("--cell-timeout", type=int, default=600, help="seconds one cell may run (default 600)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="notebooks executed side by side (default 1: the book's timings see no neighbour)")
     parser.add_argument("--no-html", action="store_true", help="execute the notebooks only")
     parser.add_argument("--root", type=Path, default=REPO, help="the book's source folder (default: this repository)")
     args = parser.parse_args()
@@ -225,7 +251,7 @@ def main() -> None:
     try:
         if not (root / "_toc.yml").is_file():
             raise BuildError(f"no _toc.yml in {root}")
-        report = stage_and_execute(root, out, parameters, args.cell_timeout, args.force)
+        report = stage_and_execute(root, out, parameters, args.cell_timeout, args.force, args.jobs)
         print_table(report)
         if not args.no_html:
             index = build_html(out)

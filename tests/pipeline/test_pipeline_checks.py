@@ -141,21 +141,25 @@ def statuses(done) -> dict[str, str]:
 
 
 def test_builder_reruns_what_depends_on_a_changed_library_file_or_launched_script(tmp_path):
-    """Every notebook depends on the whole library; a script counts even when launched by a computed name."""
+    """Every notebook depends on the whole library; a script counts even when launched by a computed name.
+
+    Built with two notebooks side by side, as the test build is: each one's launches must be
+    recorded against it, not against its neighbour."""
     make_book(tmp_path, "notebooks/plain", "notebooks/launcher")
     write_notebook(tmp_path / "notebooks" / "plain.ipynb", "x = 1")
     write_notebook(tmp_path / "notebooks" / "launcher.ipynb", "from dtbook.launch import launch_python",
                    "name = 'ch2_' + 'hello_distributed.py'  # no script name appears in this notebook's text",
                    "launch_python(name, ['--help'], metrics=False, timeout=60)")
     out = tmp_path / "_build"
-    assert build(tmp_path, "--out", str(out)).returncode == 0
-    assert set(statuses(build(tmp_path, "--out", str(out))).values()) == {"skipped"}
+    side_by_side = ["--out", str(out), "--jobs", "2"]
+    assert build(tmp_path, *side_by_side).returncode == 0
+    assert set(statuses(build(tmp_path, *side_by_side)).values()) == {"skipped"}
 
     with open(tmp_path / "scripts" / "dtbook" / "data.py", "a") as f:
         f.write("# touched\n")
-    assert statuses(build(tmp_path, "--out", str(out))) == {"notebooks/plain.ipynb": "executed",
+    assert statuses(build(tmp_path, *side_by_side)) == {"notebooks/plain.ipynb": "executed",
                                                             "notebooks/launcher.ipynb": "executed"}
     with open(tmp_path / "scripts" / "ch2_hello_distributed.py", "a") as f:
         f.write("# touched\n")
-    assert statuses(build(tmp_path, "--out", str(out))) == {"notebooks/plain.ipynb": "skipped",
+    assert statuses(build(tmp_path, *side_by_side)) == {"notebooks/plain.ipynb": "skipped",
                                                             "notebooks/launcher.ipynb": "executed"}
