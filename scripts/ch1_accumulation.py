@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import open_metrics, start_single_device
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_single_device
 from dtbook.measure import SavedTensors, median_ms
 from dtbook.model import GPT, MODEL_SIZES
 
@@ -153,6 +153,7 @@ def main() -> None:
         print(f"{label:<20} loss {run['losses'][0]:.4f} -> {run['losses'][-1]:.4f}, "
               f"saved for backward {run['activation_bytes'] / 2**20:.2f} MiB, median step {run['step_ms']:.1f} ms")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dtbook.cli import add_backend_and_metrics, one_line, positive_int, run_main, script_parser
-from dtbook.distributed import open_metrics, start_single_device
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_single_device
 from dtbook.measure import AtenOps, SavedTensors, median_ms
 from dtbook.model import MODEL_SIZES
 
@@ -180,6 +180,7 @@ def main() -> None:
             print(f"  {row['dtype']}: left to choose, SDPA ran {', '.join(row['default_kernel'])}")
         print(f"    {row['backend']:<20} {'works' if row['works'] else row['problem'][:80]}")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -40,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import open_metrics, start_single_device
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_single_device
 from dtbook.measure import median_ms
 from dtbook.model import GPT, MODEL_SIZES
 
@@ -213,6 +213,7 @@ def main() -> None:
     print(f"control, preserve_rng_state=False: max |dgrad| {difference['max_abs_difference']:.2e} "
           f"(largest gradient entry {difference['max_abs_gradient']:.2e})")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -29,7 +29,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import open_metrics, start_single_device
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_single_device
 from dtbook.measure import SavedTensors, gradient_bytes, optimizer_state_bytes, parameter_bytes
 from dtbook.model import GPT, MODEL_SIZES, GPTConfig
 
@@ -296,6 +296,7 @@ def main() -> None:
         record_cuda_snapshot(cfg, *first_batch(cfg, args, device), args.seed, device, args.snapshot,
                              metrics)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

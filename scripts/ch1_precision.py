@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import open_metrics, start_single_device
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_single_device
 from dtbook.measure import AtenOps, median_ms
 from dtbook.model import GPT, MODEL_SIZES
 
@@ -276,6 +276,7 @@ def main() -> None:
             print(f"  step {row['step']:>3}: scale {row['scale']:g} -> {row['next_scale']:g}"
                   f"{', weights unchanged (step skipped)' if not row['weights_changed'] else ''}")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

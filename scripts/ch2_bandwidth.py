@@ -43,7 +43,7 @@ from dtbook.cli import (
 )
 from dtbook.comm_timing import calls_per_round, seconds_per_call
 from dtbook.cost_model import COLLECTIVES, MODEL_FILE, AlphaBeta, Measurement, bus_bandwidth
-from dtbook.distributed import open_metrics, start_process_group
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 
 FLOAT32_BYTES = 4
 
@@ -184,6 +184,7 @@ def main() -> None:
             metrics.write(event="fit", alpha_s=model.alpha_s, beta_s_per_byte=model.beta_s_per_byte,
                           collectives=fit_on, path=str(args.model_out), relative_errors=errors)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

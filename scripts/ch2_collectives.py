@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, one_line, run_main, script_parser
-from dtbook.distributed import open_metrics, start_process_group
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 
 
 def values(rank: int, count: int, device) -> torch.Tensor:
@@ -345,6 +345,7 @@ def main() -> None:
                 print(f"{phase:<38} {calls if calls else 'no collectives'}")
                 metrics.write(event="who_uses", phase=phase, calls=calls)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

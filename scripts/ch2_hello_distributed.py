@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, run_main, script_parser
-from dtbook.distributed import choose_backend, open_metrics, use_single_process_defaults
+from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,6 +55,7 @@ def main() -> None:
         metrics.write(event="all_reduce", op="sum", contributed="rank + 1", result=value.item(), expected=expected)
         metrics.close()
         print(f"all_reduce(SUM of rank+1) = {value.item():g} on every rank; formula gives {expected:g}")
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -36,7 +36,7 @@ from dtbook.cli import (
     script_parser,
 )
 from dtbook.comm_timing import synchronize
-from dtbook.distributed import choose_backend, open_metrics, use_single_process_defaults
+from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
 from dtbook.ports import free_port
 
 
@@ -175,6 +175,7 @@ def rejoin_with_own_store(backend: str, device: torch.device,
     rank, world = dist.get_rank(), dist.get_world_size()
     port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, src=0)  # agree on where to meet next, while we can
+    drain_gloo_workers()
     dist.destroy_process_group()
     try:
         dist.barrier()
@@ -264,6 +265,7 @@ def main() -> None:
               f"{rejoin['neighbour_says']!r}; all_reduce(1) = {rejoin['all_reduce_after_rejoin']:g}")
         metrics.write(event="rejoin", **rejoin)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

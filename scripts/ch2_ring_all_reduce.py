@@ -36,7 +36,7 @@ from dtbook.cli import (
     script_parser,
 )
 from dtbook.comm_timing import calls_per_round, seconds_per_call
-from dtbook.distributed import open_metrics, start_process_group
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24  # u: the largest relative rounding error of a float32 add
 
@@ -224,6 +224,7 @@ def main() -> None:
             ratio = f"{at['ring'] / at['dist.all_reduce']:>12.2f}" if "ring" in at else ""
             print(f"{format_bytes(nbytes):>10} " + " ".join(f"{at[n] * 1e6:>18.1f}" for n in names) + ratio)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

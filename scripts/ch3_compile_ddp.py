@@ -36,7 +36,7 @@ from dtbook.cli import (
     script_parser,
 )
 from dtbook.ddp_inspect import bucket_sizes
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 
 WIDTH = 512  # a 512 x 512 float32 weight is 1 MiB: one layer per 1 MiB bucket
 BUCKET_CAP_MB = 1.0  # the DDPOptimizer refuses caps below DDP's 1 MiB first bucket
@@ -142,6 +142,7 @@ def main() -> None:
                   f"{record['seconds']:.1f} s; largest gap to eager DDP: gradients "
                   f"{record['grad_gap']:.3g}, weights {record['weight_gap']:.3g}")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

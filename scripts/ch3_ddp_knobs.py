@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.ddp_inspect import bucket_sizes
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 
 EXPERIMENTS = ["buckets", "accumulation", "precision", "scaling", "options", "buffers",
@@ -526,6 +526,7 @@ def main() -> None:
         if name in args.experiments:
             run[name](session)
     session.metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

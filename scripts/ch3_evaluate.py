@@ -31,7 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, TokenWindows, rank_loader, synthetic_corpus
-from dtbook.distributed import open_metrics, start_process_group
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 
 
@@ -139,6 +139,7 @@ def main() -> None:
             print(f"{name:<26}{result['windows']:>8}{result['loss']:>12.6f}"
                   f"{result['accuracy']:>10.4%}")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import synthetic_corpus
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.metrics import MetricsWriter
 from dtbook.model import GPT, MODEL_SIZES
 
@@ -397,6 +397,7 @@ def main() -> None:
     else:
         bad_record(args, device)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

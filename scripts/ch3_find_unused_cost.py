@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import synthetic_corpus
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 
 SETTINGS = {
@@ -129,6 +129,7 @@ def main() -> None:
                   weight_difference=weight_difference,
                   times_s={name: samples for name, samples in times.items()})
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

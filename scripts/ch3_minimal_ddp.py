@@ -44,7 +44,7 @@ from dtbook.cli import (
     script_parser,
 )
 from dtbook.data import TokenWindows, synthetic_corpus
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 
 
@@ -364,6 +364,7 @@ def main() -> None:
               f"{order['ddp_vs_scale_first']} differ from scale-then-sum and "
               f"{order['ddp_vs_sum_first']} from sum-then-divide")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

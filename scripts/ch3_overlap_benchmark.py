@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtbook.cli import add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.ddp_inspect import bucket_sizes
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 
 
@@ -159,6 +159,7 @@ def main() -> None:
             print(f"{cap:>13} {r['buckets']:>7} {r['gradient_mb']:>8.2f} {r['t_ddp_ms']:>9.2f} "
                   f"{r['t_local_ms']:>10.2f} {r['t_comm_ms']:>9.2f} {r['exposed_fraction']:>30.2f}")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.intervals import busy_ms, overlap_ms, read_intervals
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.paths import RUNS_DIR
@@ -151,6 +151,7 @@ def main() -> None:
               f"all-reduces launched, the first at "
               f"{summary['first_launch_ms']:.1f} ms; the last gradient was "
               f"computed at {summary['gradients_done_ms']:.1f} ms")
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -28,7 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import TokenWindows, synthetic_corpus
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.metrics import MetricsWriter
 from dtbook.model import GPT, MODEL_SIZES
 
@@ -153,6 +153,7 @@ def main() -> None:
     show_shards(args, metrics)
     count_effective_batch(args, device, metrics)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

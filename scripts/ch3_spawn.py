@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
-from dtbook.distributed import choose_backend, open_metrics
+from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics
 from dtbook.ports import free_port
 
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
@@ -54,6 +54,7 @@ def worker(rank: int, world_size: int, port: int, backend_request: str,
                   f"parent {who['parent_pid']}, "
                   f"launcher variables not set: {', '.join(unset) or 'none'}")
         print(f"all_reduce(SUM of rank+1) = {value.item():g}")
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

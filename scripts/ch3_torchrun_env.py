@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, run_main, script_parser
-from dtbook.distributed import choose_backend, open_metrics, use_single_process_defaults
+from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
 
 # The variables torchrun sets for every worker (TORCHELASTIC_* ones are collected too).
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -82,6 +82,7 @@ def main() -> None:
                   f"MASTER={env['MASTER_ADDR']}:{env['MASTER_PORT']} "
                   f"pid={who['pid']} agent={who['parent_pid']}")
         print(f"all_reduce over the world counted {total.item():g} processes")
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

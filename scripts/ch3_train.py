@@ -67,7 +67,13 @@ from dtbook.cli import (
     script_parser,
 )
 from dtbook.data import DEFAULTS, corpus_windows, rank_loader
-from dtbook.distributed import choose_backend, ddp_device_ids, open_metrics, use_single_process_defaults
+from dtbook.distributed import (
+    choose_backend,
+    ddp_device_ids,
+    drain_gloo_workers,
+    open_metrics,
+    use_single_process_defaults,
+)
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.progress import Progress
 
@@ -221,6 +227,7 @@ def stop_with_checkpoint(signum: int, args, state: dict, device, metrics) -> Non
         print(f"{name}: stopped after step {state['step']} with checkpoint {path}; "
               "--resume continues from it", flush=True)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
     sys.exit(128 + signum)
 
@@ -453,6 +460,7 @@ def main() -> None:
 
     summarize(args, model, metrics, step, progress)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

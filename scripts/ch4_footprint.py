@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.collectives import CollectiveLog
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES, Block, without_key_bias
 
 CONFIGS = ["ddp", "zero1", "fsdp2_full", "fsdp2_grad_op", "fsdp2_root_only", "fsdp2_full_ac", "fsdp2_hybrid",
@@ -283,6 +283,7 @@ def main() -> None:
                   f"optimizer {me['optimizer']:>9,} B  peak {me['peak_step']:>10,} B  "
                   f"sent/step {traffic:>10,.0f} B")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

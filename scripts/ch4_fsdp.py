@@ -86,7 +86,7 @@ from dtbook.cli import (
 )
 from dtbook.collectives import CollectiveLog
 from dtbook.data import DEFAULTS, corpus_windows, rank_loader
-from dtbook.distributed import choose_backend, open_metrics, use_single_process_defaults
+from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
 from dtbook.model import GPT, MODEL_SIZES, Block
 from dtbook.progress import Progress
 
@@ -626,6 +626,7 @@ def main() -> None:
         finish_save(pending, args.keep)
     summarize(args, model, metrics, step, progress, device)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES, without_key_bias
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -290,6 +290,7 @@ def main() -> None:
     for name in args.compute_dtypes:
         compare(DTYPES[name], start, batches, args, metrics, device)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

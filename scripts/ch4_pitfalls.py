@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
 
 from dtbook.cli import add_backend_and_metrics, one_line, positive_int, run_main, script_parser
-from dtbook.distributed import open_metrics, start_process_group
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.ports import free_port
 
@@ -197,6 +197,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"{name}: {outcome}", flush=True)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 
 OPTIMIZERS = {
@@ -141,6 +141,7 @@ def main() -> None:
                 print(f"{name} rank {row['rank']}: optimizer state {row['plain']:,} bytes unsharded, "
                       f"{row['sharded']:,} sharded ({row['owned_numel']:,} of {n_params:,} parameters)")
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

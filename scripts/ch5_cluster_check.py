@@ -31,7 +31,7 @@ from dtbook.cli import (
     run_main,
     script_parser,
 )
-from dtbook.distributed import open_metrics, start_process_group
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a network interface
 
@@ -99,6 +99,7 @@ def main() -> None:
                   f"{who['store']}")
         print(f"all_reduce over the world counted {total.item():g} processes")
         metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -49,7 +49,7 @@ from dtbook.cli import (
 )
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.ddp_inspect import bucket_sizes
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.timing import time_in_turns
 
@@ -307,6 +307,7 @@ def main() -> None:
     for name in args.experiments:
         RUNNERS[name](args, device, batches, report)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

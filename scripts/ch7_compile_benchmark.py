@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.timing import time_in_turns
 
@@ -153,10 +153,7 @@ def main() -> None:
                   f"{ms[len(ms) // 2]:7.2f} ms (min {ms[0]:.2f}, max {ms[-1]:.2f})   "
                   f"last loss {losses[name][-1]:.4f}")
     metrics.close()
-    # A gloo thread that frees a finished collective's tensors needs the GIL, which
-    # destroy_process_group holds while it joins that thread: a hang at exit, seen here under
-    # load (torch 2.13). A last barrier waits without the GIL, so the thread can finish first.
-    dist.barrier()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

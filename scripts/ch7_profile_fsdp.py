@@ -31,7 +31,7 @@ from dtbook.cli import (
     script_parser,
 )
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import open_metrics, start_process_group
+from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.intervals import busy_ms, overlap_ms, read_intervals
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.paths import RUNS_DIR
@@ -155,6 +155,7 @@ def main() -> None:
               f"{summary['all_gathers_in_forward']} in forward, "
               f"{summary['all_gathers_in_backward']} in backward; "
               f"{summary['reduce_scatters']} reduce-scatters")
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -45,7 +45,7 @@ from dtbook.cli import (
 )
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.ddp_inspect import bucket_sizes
-from dtbook.distributed import ddp_device_ids, open_metrics, start_process_group
+from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.timing import time_in_turns
 
@@ -227,6 +227,7 @@ def main() -> None:
               f"{args.steps} timed steps per row")
         print_table(rows)
     metrics.close()
+    drain_gloo_workers()
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -84,6 +85,23 @@ def start_single_device(requested: str = "auto") -> tuple[str, torch.device]:
         raise ScriptError(f"this program trains on one device, but it was started as {world_size} "
                           "processes: use torchrun --nproc_per_node=1 or plain python")
     return start_process_group(requested)
+
+
+def drain_gloo_workers(seconds: float = 0.25) -> None:
+    """Call right before ``dist.destroy_process_group()``: it avoids a hang at exit with gloo.
+
+    Gloo runs collectives on worker threads. When one finishes, its thread frees the work, and
+    with it the last reference to tensors Python created (``all_gather_object``'s buffers, a
+    bucket view), which needs the GIL. ProcessGroupGloo's destructor joins those threads while
+    holding the GIL (pytorch/pytorch#56297, open): if the last reference to the group goes (at
+    ``destroy_process_group``, or when a DDP model's reducer is freed) before the threads are
+    done, each waits for the other forever. Seen with torch 2.13 in about one run in five of
+    ``ch4_zero1.py``: gdb shows the main thread in ``~ProcessGroupGloo`` / ``thread::join`` and
+    a ``pt_gloo_runloop`` thread in ``~AsyncAllgatherWork`` / ``gil_scoped_acquire``. Sleeping
+    releases the GIL, so the threads finish freeing first. NCCL does not run this way: no-op.
+    """
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        time.sleep(seconds)
 
 
 def ddp_device_ids(device: torch.device) -> list[int] | None:
