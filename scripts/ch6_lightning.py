@@ -20,6 +20,8 @@ ckpt_path="last"). The run records what Lightning set up, so the book can show i
 --strategy fsdp            FSDPStrategy (FSDP1); Lightning accepts it only on GPUs
 --sampler lightning        the DistributedSampler Lightning injects (the default)
 --sampler book             chapter 3's own rank_loader; Lightning is told to leave it alone
+--sampler resumable        the same, plus state_dict/load_state_dict: Lightning checkpoints
+                           the position inside the epoch and resumes from it
 
 Under torchrun Lightning joins the process group torchrun describes; with plain python it is a
 world of one. --crash-at-step N SIGKILLs one process after optimizer step N, once (as in chapter 3).
@@ -27,6 +29,7 @@ world of one. --crash-at-step N SIGKILLs one process after optimizer step N, onc
 
 import argparse
 import dataclasses
+import itertools
 import os
 import signal
 import sys
@@ -96,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--grad-clip", type=positive_float, help="clip the gradients' total 2-norm to this value")
     add("--strategy", choices=["ddp", "model-parallel", "fsdp"], default="ddp",
         help="how Lightning distributes the model (default: ddp)")
-    add("--sampler", choices=["lightning", "book"], default="lightning",
+    add("--sampler", choices=["lightning", "book", "resumable"], default="lightning",
         help="who builds the DistributedSampler (default: lightning)")
     add("--bucket-cap-mb", type=positive_float, default=DEFAULTS.bucket_cap_mb,
         help="DDP gradient bucket size in MiB (default: 25, DDP's own default)")
@@ -132,6 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------
 
 
+def shard_with_fsdp2(model: GPT, mesh) -> None:
+    """FSDP2 as ch4_fsdp.py applies it: each block, then the root."""
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    # The root's parameters are needed again at once by backward: keep them gathered.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
 class LitGPT(L.LightningModule):
     """The book's GPT and AdamW; Lightning decides where, how often and on which batches."""
 
@@ -144,14 +155,9 @@ class LitGPT(L.LightningModule):
         self.steps_this_run = 0
 
     def configure_model(self) -> None:
-        # Only ModelParallelStrategy calls for this: it hands over the mesh, the module shards
-        # itself exactly as ch4_fsdp.py does (each block, then the root with embeddings and head).
-        if self.args.strategy != "model-parallel":
-            return
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
+        # ModelParallelStrategy hands over a device mesh; DDP does not call for sharding.
+        if self.args.strategy == "model-parallel":
+            shard_with_fsdp2(self.model, self.device_mesh["data_parallel"])
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.model.parameters(), lr=self.args.lr)
@@ -314,44 +320,85 @@ def check_inputs(args, world_size: int, num_windows: int) -> None:
             raise ScriptError(f"cannot write to --checkpoint-dir {args.checkpoint_dir}: {err}") from None
 
 
-def make_strategy(args, backend: str):
+def make_strategy(args, backend: str, world_size: int):
     """Chapter 3's DDP knobs, spelled as Lightning's strategy arguments."""
     if args.strategy == "model-parallel":
-        return ModelParallelStrategy(data_parallel_size="auto", tensor_parallel_size=1)
+        # "auto" would count GPUs per node; on CPUs the mesh is given: all data parallel.
+        return ModelParallelStrategy(data_parallel_size=world_size,
+                                     tensor_parallel_size=1)
     if args.strategy == "fsdp":
         return FSDPStrategy(process_group_backend=backend)
-    return DDPStrategy(process_group_backend=backend, bucket_cap_mb=args.bucket_cap_mb,
+    return DDPStrategy(process_group_backend=backend,
+                       bucket_cap_mb=args.bucket_cap_mb,
                        static_graph=args.static_graph,
                        find_unused_parameters=args.find_unused_parameters,
                        ddp_comm_hook=COMM_HOOKS[args.comm_hook])
 
 
-def make_trainer(args, backend: str, devices: int, num_nodes: int, total_steps: int):
-    callbacks = []
-    if args.checkpoint_dir:
-        # save_last writes last.ckpt beside the step's file: ckpt_path="last" finds it.
-        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, filename="step{step:08d}",
-                                         auto_insert_metric_name=False, save_last=True,
-                                         every_n_train_steps=args.save_every, save_top_k=1))
+def checkpointing(args) -> list[ModelCheckpoint]:
+    """Rank 0 writes step<N>.ckpt every --save-every steps, and last.ckpt."""
+    if not args.checkpoint_dir:
+        return []
+    # ckpt_path="last" looks for last.ckpt in this callback's directory.
+    return [ModelCheckpoint(dirpath=args.checkpoint_dir, filename="step{step:08d}",
+                            auto_insert_metric_name=False, save_last=True,
+                            every_n_train_steps=args.save_every, save_top_k=1)]
+
+
+def make_trainer(args, backend: str, devices: int, num_nodes: int,
+                 total_steps: int) -> L.Trainer:
+    callbacks = checkpointing(args)
     try:
         return L.Trainer(
-            accelerator="cuda" if backend == "nccl" else "cpu", devices=devices,
-            num_nodes=num_nodes, strategy=make_strategy(args, backend),
-            precision=PRECISION[args.amp], max_steps=total_steps, max_epochs=-1,
-            accumulate_grad_batches=args.accum_steps, gradient_clip_val=args.grad_clip,
-            callbacks=callbacks, enable_checkpointing=bool(callbacks),
+            accelerator="cuda" if backend == "nccl" else "cpu",
+            devices=devices, num_nodes=num_nodes,
+            strategy=make_strategy(args, backend, devices * num_nodes),
+            precision=PRECISION[args.amp],
+            max_steps=total_steps, max_epochs=-1,
+            accumulate_grad_batches=args.accum_steps,
+            gradient_clip_val=args.grad_clip,
             use_distributed_sampler=args.sampler == "lightning",
-            logger=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, deterministic=False)
-    except Exception as err:  # Lightning's refusals (a strategy or precision this device lacks)
-        raise ScriptError(f"Lightning refuses --strategy {args.strategy} --amp {args.amp} "
-                          f"on {backend}: {one_line(err)}") from None
+            callbacks=callbacks, enable_checkpointing=bool(callbacks),
+            logger=False, enable_progress_bar=False, enable_model_summary=False)
+    except Exception as err:  # Lightning refuses what this device cannot do
+        raise ScriptError(f"Lightning refuses --strategy {args.strategy} --amp "
+                          f"{args.amp} on {backend}: {one_line(err)}") from None
 
 
-def make_loader(args, dataset, world_size: int) -> DataLoader:
-    if args.sampler == "book":
-        return rank_loader(dataset, args.batch_size, int(os.environ.get("RANK", 0)), world_size,
-                           args.seed)
+class ResumableLoader:
+    """A loader that knows where it is in the epoch, so a checkpoint can hold that.
+
+    Lightning saves the state_dict() of every training loader that has one in the
+    checkpoint and hands it back to load_state_dict() before resuming; a plain
+    DataLoader has none, and a run resumed mid-epoch starts the epoch's data over.
+    """
+
+    def __init__(self, loader: DataLoader):
+        # Lightning finds the sampler here to call its set_epoch.
+        self.loader, self.sampler = loader, loader.sampler
+        self.batches_fetched = self.skip = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        self.batches_fetched, self.skip = self.skip, 0
+        for batch in itertools.islice(self.loader, self.batches_fetched, None):
+            self.batches_fetched += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"batches_fetched": self.batches_fetched}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skip = state["batches_fetched"]
+
+
+def make_loader(args, dataset, world_size: int):
+    if args.sampler != "lightning":
+        loader = rank_loader(dataset, args.batch_size, int(os.environ.get("RANK", 0)),
+                             world_size, args.seed)
+        return ResumableLoader(loader) if args.sampler == "resumable" else loader
     # What a single-device program writes; Lightning swaps the sampler for a distributed one.
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
 
