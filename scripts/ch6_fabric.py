@@ -322,7 +322,8 @@ def resume(args, model, optimizer, scaler, meta: dict, device, metrics):
 # --------------------------------------------------------------------------
 
 
-def train_step(fabric, model, optimizer, scaler, micro_batches, args, device) -> torch.Tensor:
+def train_step(fabric, model, optimizer, scaler, micro_batches, args,
+               device) -> torch.Tensor:
     """One optimizer step over --accum-steps micro-batches; returns this rank's loss."""
     autocast = torch.amp.autocast(device.type, dtype=AMP_DTYPES.get(args.amp),
                                   enabled=args.amp != "off")
@@ -420,11 +421,12 @@ def main() -> None:
     steps_per_epoch = len(dataset) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    # Fabric reads torchrun's variables, joins the process group and wraps the model with DDP.
-    strategy = DDPStrategy(process_group_backend=backend, bucket_cap_mb=args.bucket_cap_mb)
-    fabric = Fabric(accelerator=device.type, devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-                    num_nodes=world_size // int(os.environ["LOCAL_WORLD_SIZE"]),
-                    strategy=strategy)
+    # Fabric reads torchrun's variables and joins the group; setup() wraps in DDP.
+    strategy = DDPStrategy(process_group_backend=backend,
+                           bucket_cap_mb=args.bucket_cap_mb)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    fabric = Fabric(accelerator=device.type, devices=per_node,
+                    num_nodes=world_size // per_node, strategy=strategy)
     fabric.launch()
     metrics = open_metrics(args.metrics, backend, device)
     model, optimizer, scaler = build_model(args, fabric, device, rank)
@@ -467,8 +469,8 @@ def main() -> None:
         for step_in_epoch in range(skip, steps_per_epoch):
             if step >= total_steps:
                 break
-            step_loss = train_step(fabric, model, optimizer, scaler, micro_batches, args,
-                                   device)
+            step_loss = train_step(fabric, model, optimizer, scaler, micro_batches,
+                                   args, device)
             step += 1
             progress.step_done(step, epoch, step_loss, scaler)
             if args.checkpoint_dir and (step % args.save_every == 0
