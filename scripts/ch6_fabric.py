@@ -500,6 +500,10 @@ def main() -> None:
 
     summarize(args, model, metrics, step, progress)
     metrics.close()
+    # A gloo thread may still be freeing the last all-reduce's tensors, which takes the GIL;
+    # tearing the group down (or exiting) at that moment deadlocks. Seen here with Fabric,
+    # whose DDP wrapper lives until exit: give the thread a moment first.
+    time.sleep(0.1)
     dist.destroy_process_group()
 
 

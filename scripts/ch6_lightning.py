@@ -152,7 +152,7 @@ class LitGPT(L.LightningModule):
         self.metrics = None
         self.micro_losses: list[torch.Tensor] = []
         self.losses: list[float] = []
-        self.steps_this_run = 0
+        self.steps_this_run = self.steps_since_log = 0
 
     def configure_model(self) -> None:
         # ModelParallelStrategy hands over a device mesh; DDP does not call for sharding.
@@ -239,6 +239,7 @@ class LitGPT(L.LightningModule):
         step_loss = torch.stack(self.micro_losses).mean()
         self.micro_losses.clear()
         self.steps_this_run += 1
+        self.steps_since_log += 1
         total = self.trainer.max_steps
         if step % self.args.log_every == 0 or step == total:
             # sync_dist=True: Lightning all-reduces the value to the mean over the ranks.
@@ -247,18 +248,15 @@ class LitGPT(L.LightningModule):
             per_rank = self.all_gather(step_loss).tolist()
             self.losses.append(synced)
             now = time.perf_counter()
-            step_time = (now - self.last_log) / self.steps_since_log(step)
+            step_time = (now - self.last_log) / self.steps_since_log
             self.metrics.write(event="step", step=step, epoch=self.current_epoch, loss=synced,
                                rank_losses=per_rank, batch_token_sum=self.last_batch_sum,
                                step_time_s=step_time,
                                samples_per_s=self.global_batch() / step_time)
             rank_zero_info(f"step {step:>5}/{total} | epoch {self.current_epoch} | "
                            f"loss {synced:.4f} | {self.global_batch() / step_time:,.0f} samples/s")
-            self.last_log, self.last_logged_step = now, step
+            self.last_log, self.steps_since_log = now, 0
         self.maybe_crash(step)
-
-    def steps_since_log(self, step: int) -> int:
-        return step - getattr(self, "last_logged_step", step - self.steps_this_run)
 
     def global_batch(self) -> int:
         return self.trainer.world_size * self.args.batch_size * self.args.accum_steps
@@ -276,10 +274,7 @@ class LitGPT(L.LightningModule):
                            epoch=checkpoint["epoch"], keys=sorted(checkpoint))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        loop = checkpoint["loops"]["fit_loop"]
-        batches = loop["epoch_loop.batch_progress"]["current"]
         self.resumed_from = {"step": checkpoint["global_step"], "epoch": checkpoint["epoch"],
-                             "batches_done_in_epoch": batches["completed"],
                              "keys": sorted(checkpoint)}
 
     def on_fit_end(self) -> None:
