@@ -84,9 +84,15 @@ time.sleep(600)
 """
 
 
+def reader_signals() -> None:
+    """SIGINT as in a reader's terminal: a test run started in the background (``make test &``)
+    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_owner(how: str):
     owner = subprocess.Popen([sys.executable, "-c", OWNER, how], stdout=subprocess.PIPE, text=True,
-                             env=PYTHONPATH)
+                             env=PYTHONPATH, preexec_fn=reader_signals)
     slot, *inodes = map(int, owner.stdout.readline().split())
     assert slot_resources(slot) and len(processes_in(set(inodes))) == 1
     return owner, slot, set(inodes)
