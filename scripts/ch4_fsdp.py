@@ -35,7 +35,6 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -78,6 +77,7 @@ from dtbook.checkpoint import (
 from dtbook.cli import (
     ScriptError,
     add_backend_and_metrics,
+    check_training_inputs,
     one_line,
     positive_float,
     positive_int,
@@ -185,23 +185,7 @@ def check_inputs(args, world_size: int, local_world_size: int, num_windows: int,
     if args.api == "fsdp1" and args.meta_init:
         raise ScriptError("--meta-init uses FSDP2's to_empty on sharded DTensors; with FSDP1 it would "
                           "need a param_init_fn: use --api fsdp2")
-    global_batch = world_size * args.batch_size * args.accum_steps
-    if num_windows // global_batch == 0:
-        raise ScriptError(
-            f"one optimizer step needs {world_size} process(es) x --batch-size {args.batch_size} x "
-            f"--accum-steps {args.accum_steps} = {global_batch} windows, but the corpus has "
-            f"only {num_windows}: lower those or raise --corpus-tokens")
-    crash_rank = world_size - 1 if args.crash_rank is None else args.crash_rank
-    if args.crash_at_step and not 0 <= crash_rank < world_size:
-        raise ScriptError(f"--crash-rank {crash_rank} is not a rank of this world of {world_size}")
-    args.crash_rank = crash_rank
-    if args.checkpoint_dir:
-        try:
-            args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=args.checkpoint_dir):
-                pass
-        except OSError as err:
-            raise ScriptError(f"cannot write to --checkpoint-dir {args.checkpoint_dir}: {err}") from None
+    check_training_inputs(args, world_size, num_windows)
 
 
 # --------------------------------------------------------------------------

@@ -47,7 +47,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +66,7 @@ from dtbook.checkpoint import (
 from dtbook.cli import (
     ScriptError,
     add_backend_and_metrics,
+    check_training_inputs,
     one_line,
     positive_float,
     positive_int,
@@ -257,27 +257,6 @@ def accumulation_for(global_batch: int, world_size: int, batch_size: int) -> int
     return global_batch // per_micro_step
 
 
-def check_inputs(args, world_size: int, num_windows: int) -> None:
-    """Everything that can be checked before joining the process group, so bad input fails fast."""
-    global_batch = world_size * args.batch_size * args.accum_steps
-    if num_windows // global_batch == 0:
-        raise ScriptError(
-            f"one optimizer step needs {world_size} process(es) x --batch-size {args.batch_size} x "
-            f"--accum-steps {args.accum_steps} = {global_batch} windows, but the corpus has "
-            f"only {num_windows}: lower those or raise --corpus-tokens")
-    crash_rank = world_size - 1 if args.crash_rank is None else args.crash_rank
-    if args.crash_at_step and not 0 <= crash_rank < world_size:
-        raise ScriptError(f"--crash-rank {crash_rank} is not a rank of this world of {world_size}")
-    args.crash_rank = crash_rank
-    if args.checkpoint_dir:
-        try:
-            args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=args.checkpoint_dir):
-                pass
-        except OSError as err:
-            raise ScriptError(f"cannot write to --checkpoint-dir {args.checkpoint_dir}: {err}") from None
-
-
 def build_model(args, fabric, device: torch.device, rank: int):
     """The DDP-wrapped GPT, its AdamW optimizer and its (possibly disabled) grad scaler."""
     cfg = dataclasses.replace(MODEL_SIZES[args.model], dropout=args.dropout)
@@ -382,7 +361,7 @@ def main() -> None:
     cfg = MODEL_SIZES[args.model]
     dataset = corpus_windows(args.corpus_tokens, cfg.vocab_size, cfg.context,
                              args.seed)
-    check_inputs(args, world_size, len(dataset))
+    check_training_inputs(args, world_size, len(dataset))
     global_batch = world_size * args.batch_size * args.accum_steps
     steps_per_epoch = len(dataset) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch

@@ -63,6 +63,7 @@ from dtbook.checkpoint import atomic_save, state_dict_fingerprint  # noqa: E402
 from dtbook.cli import (  # noqa: E402
     ScriptError,
     add_backend_and_metrics,
+    check_training_inputs,
     one_line,
     positive_float,
     positive_int,
@@ -297,24 +298,6 @@ def world_from_launcher() -> tuple[int, int]:
     return local, int(os.environ.get("WORLD_SIZE", 1)) // local
 
 
-def check_inputs(args, world_size: int, num_windows: int) -> None:
-    """What can be checked before Lightning starts the process group, so bad input fails fast."""
-    global_batch = world_size * args.batch_size * args.accum_steps
-    if num_windows // global_batch == 0:
-        raise ScriptError(
-            f"one optimizer step needs {world_size} process(es) x --batch-size {args.batch_size} x "
-            f"--accum-steps {args.accum_steps} = {global_batch} windows, but the corpus has "
-            f"only {num_windows}: lower those or raise --corpus-tokens")
-    args.crash_rank = world_size - 1 if args.crash_rank is None else args.crash_rank
-    if args.crash_at_step and not 0 <= args.crash_rank < world_size:
-        raise ScriptError(f"--crash-rank {args.crash_rank} is not a rank of this world of {world_size}")
-    if args.checkpoint_dir:
-        try:
-            args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ScriptError(f"cannot write to --checkpoint-dir {args.checkpoint_dir}: {err}") from None
-
-
 def make_strategy(args, backend: str, world_size: int):
     """Chapter 3's DDP knobs, spelled as Lightning's strategy arguments."""
     if args.strategy == "model-parallel":
@@ -419,7 +402,7 @@ def main() -> None:
     world_size = devices * num_nodes
     cfg = dataclasses.replace(MODEL_SIZES[args.model], dropout=args.dropout)
     dataset = corpus_windows(args.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
-    check_inputs(args, world_size, len(dataset))
+    check_training_inputs(args, world_size, len(dataset))
     steps_per_epoch = len(dataset) // (world_size * args.batch_size * args.accum_steps)
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 

@@ -10,6 +10,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 
 
 class ScriptError(Exception):
@@ -94,3 +95,26 @@ def format_bytes(nbytes: float) -> str:
     """4 B, 64 KiB, 1.5 MiB: the largest binary unit that keeps the number at least 1."""
     unit = next(u for u in ("GiB", "MiB", "KiB", "B") if nbytes >= BYTE_UNITS[u] or u == "B")
     return f"{nbytes / BYTE_UNITS[unit]:g} {unit}"
+
+
+def check_training_inputs(args: argparse.Namespace, world_size: int, num_windows: int) -> None:
+    """The training programs' checks that need no process group, so bad input fails fast:
+    one global batch fits the corpus, ``--crash-rank`` (default: the last rank) is a rank, and
+    ``--checkpoint-dir`` can be written. Sets ``args.crash_rank``."""
+    global_batch = world_size * args.batch_size * args.accum_steps
+    if num_windows // global_batch == 0:
+        raise ScriptError(
+            f"one optimizer step needs {world_size} process(es) x --batch-size {args.batch_size} x "
+            f"--accum-steps {args.accum_steps} = {global_batch} windows, but the corpus has "
+            f"only {num_windows}: lower those or raise --corpus-tokens")
+    crash_rank = world_size - 1 if args.crash_rank is None else args.crash_rank
+    if args.crash_at_step and not 0 <= crash_rank < world_size:
+        raise ScriptError(f"--crash-rank {crash_rank} is not a rank of this world of {world_size}")
+    args.crash_rank = crash_rank
+    if args.checkpoint_dir:
+        try:
+            args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.checkpoint_dir):
+                pass
+        except OSError as err:
+            raise ScriptError(f"cannot write to --checkpoint-dir {args.checkpoint_dir}: {err}") from None
