@@ -40,6 +40,28 @@ KNOWN_WIDE_CODE = {
     (CH2, 'reduced = run.records("all_reduce")'): "chapter 2",
 }
 
+# Pages whose code was written before the width rule (chapters 1, 2, 4 and 5): each still has code
+# cells or listings wider than the page, measured by this test on 2026-11-26 (21 pages). They are
+# excused as whole pages until their chapter is wrapped to 85 columns, as chapters 3, 6 and 7 are;
+# remove a page here once `check_book.listing_problems` reports nothing for it. Every other check of
+# this test still applies to them.
+NOT_YET_WRAPPED = {
+    *(f"notebooks/ch1_one_device/{n}" for n in (
+        "01_where_the_memory_goes", "02_mixed_precision", "03_activation_checkpointing",
+        "04_attention_kernels", "05_gradient_accumulation")),
+    *(f"notebooks/ch2_first_steps/{n}" for n in (
+        "02_processes_ranks_groups", "03_collectives", "04_all_reduce_by_hand",
+        "05_bandwidth_and_alpha_beta")),
+    "book/ch4_fsdp",
+    *(f"notebooks/ch4_fsdp/{n}" for n in (
+        "01_from_ddp_to_fsdp", "02_sharding_by_hand", "03_running_fsdp", "04_memory_measured",
+        "05_sharded_checkpoints", "06_pitfalls")),
+    "book/ch5_clusters",
+    *(f"notebooks/ch5_clusters/{n}" for n in (
+        "01_cluster_in_a_box", "02_communication_on_a_slow_link", "03_slurm_and_preemption",
+        "04_elastic_and_hangs")),
+}
+
 # Every code block a reader sees (cell inputs, listings, fenced code), not cell outputs; each as
 # its caption, its first line, and how much wider its content is than its box.
 WIDE_CODE_JS = """() => Array.from(document.querySelectorAll('div.highlight pre'))
@@ -89,9 +111,16 @@ def browser():
 
 def too_wide(entry: str, blocks: list[dict]) -> list[dict]:
     """The blocks that overflow their box, except those KNOWN_WIDE_CODE excuses on this page."""
+    if entry in NOT_YET_WRAPPED:
+        return []
     excused = [text for (page, text) in KNOWN_WIDE_CODE if page == entry]
     return [b for b in blocks if not any(text in b["caption"] or b["first"].startswith(text)
                                          for text in excused)]
+
+
+def test_pages_excused_from_the_width_rule_are_pages_of_the_book():
+    """A renamed or removed page must leave the list, so that it can only shrink."""
+    assert NOT_YET_WRAPPED <= set(toc_entries(REPO / "_toc.yml"))
 
 
 def test_too_wide_excuses_only_the_listed_blocks_on_their_pages():
@@ -101,6 +130,7 @@ def test_too_wide_excuses_only_the_listed_blocks_on_their_pages():
     assert too_wide("notebooks/ch3_ddp/06_checkpointing_and_resuming", [sbatch, cell]) == [cell]
     assert too_wide("book/intro", [sbatch, make]) == [sbatch, make]
     assert too_wide("book/setup", [make, cell]) == [cell]
+    assert too_wide("notebooks/ch4_fsdp/06_pitfalls", [sbatch, cell]) == []
 
 
 @pytest.mark.parametrize("entry", toc_entries(REPO / "_toc.yml"))
