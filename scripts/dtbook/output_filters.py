@@ -47,31 +47,42 @@ class ExitBarrierRaceFilter:
     barrier held in the store of the agent that hosts it. If the host sets the
     last key and exits at once, another agent still waiting on the closed store
     logs a C++ stack and an "Error waiting on exit barrier" traceback, then
-    exits normally (PyTorch issue 69520). The report is replaced by one line.
+    exits normally (PyTorch issue 69520). The report is replaced by one line, and so
+    are the echoes that follow it: more C++ stacks from the closed store and the
+    agent's warnings that it cannot reach the rendezvous it is leaving.
     """
 
     SUMMARY = ("torchrun: this agent lost the known exit-barrier race with the agent hosting the store "
                "(harmless; PyTorch issue 69520); its report is omitted\n")
 
     def __init__(self):
-        self.held: list[str] = []  # a store warning that may turn out to be the start of the report
+        self.held: list[str] = []  # store warnings that may turn out to be the start of the report
         self.in_report = False
+        self.raced = False
+
+    @staticmethod
+    def _store_warning(line: str) -> bool:
+        return "TCPStore.cpp" in line and ("recvValueWithTimeout failed" in line or "sendBytes failed" in line)
+
+    @staticmethod
+    def _stack_line(line: str) -> bool:
+        return line.startswith(("Exception raised from", "frame #", "<omitting python frames>")) or not line.strip()
 
     def feed(self, line: str) -> list[str]:
         if "Error waiting on exit barrier" in line:
-            self.held, self.in_report = [], True
+            self.held, self.in_report, self.raced = [], True, True
             return [self.SUMMARY]
         if self.in_report:
             if "elastic/agent/server/api.py:" in line:  # the logged traceback, one prefixed line at a time
                 return []
             self.in_report = False
-        if "TCPStore.cpp" in line and "recvValueWithTimeout failed" in line:
-            self.held = [line]
+        if self.raced and (self._store_warning(line) or self._stack_line(line)
+                           or ("dynamic_rendezvous.py" in line and "RendezvousConnectionError" in line)):
+            return []
+        if self._store_warning(line) or (self.held and self._stack_line(line)):
+            self.held.append(line)
             return []
         if self.held:
-            if line.startswith(("Exception raised from", "frame #", "<omitting python frames>")) or not line.strip():
-                self.held.append(line)
-                return []
             held, self.held = self.held, []
             return [*held, line]
         return [line]

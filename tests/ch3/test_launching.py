@@ -125,8 +125,15 @@ def test_exit_barrier_race_report_is_condensed_and_other_lines_pass():
               "E1125 1 torch/distributed/elastic/agent/server/api.py:1008] Error waiting on exit barrier.\n",
               "E1125 1 torch/distributed/elastic/agent/server/api.py:1008] Traceback (most recent call last):\n",
               "E1125 1 torch/distributed/elastic/agent/server/api.py:1008] torch.distributed.DistNetworkError: x\n"]
+    broken_pipe = ["[W TCPStore.cpp:106] [c10d] sendBytes failed on SocketImpl(fd=4): Broken pipe\n",
+                   "Exception raised from sendBytes at Utils.hpp:758 (most recent call first):\n",
+                   "frame #0: c10::Error::Error() + 0x9d\n", "\n"]
+    echoes = ["W1126 1 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1346] The node 'n' has "
+              "failed to send a keep-alive heartbeat to the rendezvous 'r' due to an error of type "
+              "RendezvousConnectionError.\n", *broken_pipe]
     race = ExitBarrierRaceFilter()
-    shown = [out for line in [*report, "next line\n"] for out in race.feed(line)]
+    lines = [*report[:5], *broken_pipe, *report[5:], *echoes, "next line\n"]
+    shown = [out for line in lines for out in race.feed(line)]
     assert shown == [ExitBarrierRaceFilter.SUMMARY, "next line\n"]
 
     unrelated = ExitBarrierRaceFilter()
