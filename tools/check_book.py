@@ -116,11 +116,19 @@ def _fenced_blocks(markdown: str) -> list[tuple[str, str]]:
 
 
 def _pyobject_lines(source: str, name: str) -> list[str] | None:
-    """The lines of a top-level function or class, as Sphinx's :pyobject: option shows them."""
+    """The lines of a function or class, as Sphinx's :pyobject: option shows them; a dotted name
+    (``AlphaBeta.fit``) is a method of a top-level class."""
     import ast
 
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+    body = ast.parse(source).body
+    *outer, last = name.split(".")
+    for part in outer:
+        classes = [n for n in body if isinstance(n, ast.ClassDef) and n.name == part]
+        if not classes:
+            return None
+        body = classes[0].body
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == last:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             return source.splitlines()[first - 1 : node.end_lineno]
     return None
