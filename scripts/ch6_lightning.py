@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node=2 scripts/ch6_lightning.py --strategy model-parallel
     torchrun --standalone --nproc_per_node=2 scripts/ch6_lightning.py --checkpoint-dir runs/l --resume
     python scripts/ch6_lightning.py                                              # a world of one
+    sbatch scripts/slurm/ch6_lightning.sbatch     # Slurm: one srun task per device, no torchrun
 
 The model (dtbook.model.GPT), the corpus (dtbook.data) and the optimizer are chapter 3's, and so
 are the flags that mean the same thing. What changes is who writes the loop: a LightningModule
@@ -23,8 +24,11 @@ ckpt_path="last"). The run records what Lightning set up, so the book can show i
 --sampler resumable        the same, plus state_dict/load_state_dict: Lightning checkpoints
                            the position inside the epoch and resumes from it
 
-Under torchrun Lightning joins the process group torchrun describes; with plain python it is a
-world of one. --crash-at-step N SIGKILLs one process after optimizer step N, once (as in chapter 3).
+Under torchrun Lightning joins the process group torchrun describes; under srun (one task per
+device) it reads Slurm's variables through SLURMEnvironment, and on SIGUSR1 it saves
+hpc_ckpt_N.ckpt in --checkpoint-dir and requeues the job, which then resumes from that file;
+with plain python it is a world of one. --crash-at-step N SIGKILLs one process after optimizer
+step N, once (as in chapter 3).
 """
 
 import argparse
@@ -45,6 +49,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.strategies import (  # noqa: E402
     DDPStrategy,
     FSDPStrategy,
@@ -117,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--crash-at-step", type=positive_int,
         help="fault injection: SIGKILL one process right after this optimizer step")
     add("--crash-rank", type=int, help="the process --crash-at-step kills (default: the last rank)")
+    add("--wait-for-signal-after-step", type=positive_int, metavar="N",
+        help="preemption demo: after step N every process waits (up to 120 s) for the job to be "
+             "signalled, so that the signal finds them all between steps; first run of a job only")
     add_backend_and_metrics(parser)
     args = parser.parse_args(argv)
     if args.resume and args.checkpoint_dir is None:
@@ -258,6 +266,7 @@ class LitGPT(L.LightningModule):
                            f"loss {synced:.4f} | {self.global_batch() / step_time:,.0f} samples/s")
             self.last_log, self.steps_since_log = now, 0
         self.maybe_crash(step)
+        self.maybe_wait_for_signal(step)
 
     def global_batch(self) -> int:
         return self.trainer.world_size * self.args.batch_size * self.args.accum_steps
@@ -270,13 +279,28 @@ class LitGPT(L.LightningModule):
             self.metrics.write(event="fault_injected", step=step, unix_time=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def maybe_wait_for_signal(self, step: int) -> None:
+        # Lightning's SIGUSR1 handler saves a checkpoint, a collective: a rank caught inside
+        # backward's all-reduce while another runs the handler would deadlock both (see 6.5).
+        first_run = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+        if step != self.args.wait_for_signal_after_step or not first_run:
+            return
+        self.metrics.write(event="waiting_for_signal", step=step, unix_time=time.time())
+        rank_zero_info(f"after step {step}: waiting for the job to be signalled")
+        deadline = time.monotonic() + 120
+        while not self.trainer.received_sigterm:  # SIGTERM follows the requeue
+            if time.monotonic() > deadline:
+                raise ScriptError(f"--wait-for-signal-after-step {step}: no signal came in 120 s")
+            time.sleep(0.05)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self.metrics.write(event="checkpoint", step=checkpoint["global_step"],
                            epoch=checkpoint["epoch"], keys=sorted(checkpoint))
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.resumed_from = {"step": checkpoint["global_step"], "epoch": checkpoint["epoch"],
-                             "keys": sorted(checkpoint)}
+                             "keys": sorted(checkpoint),
+                             "file": Path(self.trainer.ckpt_path or "").name}
 
     def on_fit_end(self) -> None:
         seconds = time.perf_counter() - self.start
@@ -292,10 +316,24 @@ class LitGPT(L.LightningModule):
 # --------------------------------------------------------------------------
 
 
+def started_by_srun() -> bool:
+    """Slurm started this process itself (srun, one task per device), not torchrun."""
+    return "LOCAL_WORLD_SIZE" not in os.environ and SLURMEnvironment.detect()
+
+
 def world_from_launcher() -> tuple[int, int]:
-    """(processes on this node, nodes): torchrun's variables, or a world of one."""
+    """(processes per node, nodes): from torchrun, from Slurm, or a world of one."""
+    if started_by_srun():
+        nodes = int(os.environ["SLURM_NNODES"])
+        return int(os.environ["SLURM_NTASKS"]) // nodes, nodes
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return local, int(os.environ.get("WORLD_SIZE", 1)) // local
+
+
+def process_rank() -> int:
+    if started_by_srun():
+        return int(os.environ["SLURM_PROCID"])
+    return int(os.environ.get("RANK", 0))
 
 
 def make_strategy(args, backend: str, world_size: int):
@@ -326,6 +364,10 @@ def checkpointing(args) -> list[ModelCheckpoint]:
 def make_trainer(args, backend: str, devices: int, num_nodes: int,
                  total_steps: int) -> L.Trainer:
     callbacks = checkpointing(args)
+    # Under srun: Lightning's default, spelled out. SIGUSR1 (Slurm's warning before a
+    # time limit or preemption): save hpc_ckpt_N.ckpt in default_root_dir, requeue.
+    plugins = [SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1)
+               ] if started_by_srun() else []
     try:
         return L.Trainer(
             accelerator="cuda" if backend == "nccl" else "cpu",
@@ -337,6 +379,8 @@ def make_trainer(args, backend: str, devices: int, num_nodes: int,
             gradient_clip_val=args.grad_clip,
             use_distributed_sampler=args.sampler == "lightning",
             callbacks=callbacks, enable_checkpointing=bool(callbacks),
+            plugins=plugins,
+            default_root_dir=args.checkpoint_dir,  # hpc_ckpt_N.ckpt: saved, found
             logger=False, enable_progress_bar=False, enable_model_summary=False)
     except Exception as err:  # Lightning refuses what this device cannot do
         raise ScriptError(f"Lightning refuses --strategy {args.strategy} --amp "
@@ -374,8 +418,7 @@ class ResumableLoader:
 
 def make_loader(args, dataset, world_size: int):
     if args.sampler != "lightning":
-        loader = rank_loader(dataset, args.batch_size, int(os.environ.get("RANK", 0)),
-                             world_size, args.seed)
+        loader = rank_loader(dataset, args.batch_size, process_rank(), world_size, args.seed)
         return ResumableLoader(loader) if args.sampler == "resumable" else loader
     # What a single-device program writes; Lightning swaps the sampler for a distributed one.
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)

@@ -114,6 +114,28 @@ def test_resume_with_a_resumable_loader_is_bit_identical(tmp_path):
     assert not different, f"resumed run differs in {different}"
 
 
+SLURM_TASK = {"SLURM_JOB_NAME": "ch6-lightning", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
+              "SLURM_PROCID": "3"}
+
+
+@pytest.mark.parametrize("variables, shape, rank", [
+    ({}, (1, 1), 0),                                              # plain python
+    (SLURM_TASK, (2, 2), 3),                                      # srun, one task per device
+    ({**SLURM_TASK, "SLURM_JOB_NAME": "interactive"}, (1, 1), 0),  # Lightning's opt-out name
+    ({**SLURM_TASK, "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "8", "RANK": "5"}, (2, 4), 5),
+])
+def test_world_shape_comes_from_the_launcher_that_started_the_process(
+        variables, shape, rank, lightning_script, monkeypatch):
+    """Under srun the Trainer's devices x num_nodes must equal SLURM_NTASKS, or Lightning
+    refuses to start; torchrun under Slurm (the last case) wins over Slurm's task count."""
+    for name in (*LAUNCHER_VARIABLES, *SLURM_TASK):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert lightning_script.world_from_launcher() == shape
+    assert lightning_script.process_rank() == rank
+
+
 @pytest.mark.parametrize("args, problem", [
     (["--lr", "0"], "--lr"),
     (["--corpus-tokens", "500"], "corpus has only"),
@@ -121,6 +143,7 @@ def test_resume_with_a_resumable_loader_is_bit_identical(tmp_path):
     (["--strategy", "model-parallel", "--static-graph"], "only apply to --strategy ddp"),
     (["--strategy", "fsdp"], "requires a GPU accelerator"),
     (["--backend", "nccl"], "nccl"),
+    (["--wait-for-signal-after-step", "0"], "--wait-for-signal-after-step"),
 ])
 def test_bad_input_gives_one_line_error(args, problem, lightning_script, monkeypatch, capsys):
     """Refused before any process group exists; FSDPStrategy's refusal is Lightning's own check."""
@@ -149,7 +172,8 @@ def test_fabric_bad_input_gives_one_line_error(monkeypatch, capsys):
     (LIGHTNING, ["--model", "--epochs", "--max-steps", "--batch-size", "--accum-steps", "--lr",
                  "--seed", "--amp", "--bucket-cap-mb", "--backend", "--metrics",
                  "--checkpoint-dir", "--save-every", "--resume", "--crash-at-step", "--save-final",
-                 "--strategy", "--sampler", "--grad-clip", "--static-graph", "--comm-hook"]),
+                 "--strategy", "--sampler", "--grad-clip", "--static-graph", "--comm-hook",
+                 "--wait-for-signal-after-step"]),
     (FABRIC, ["--model", "--epochs", "--max-steps", "--batch-size", "--accum-steps", "--lr",
               "--seed", "--amp", "--bucket-cap-mb", "--backend", "--metrics", "--checkpoint-dir",
               "--resume", "--crash-at-step", "--save-final"]),
