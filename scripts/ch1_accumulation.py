@@ -56,9 +56,11 @@ def mean_loss_weights(sizes: list[int]) -> list[float]:
 
 def accumulated_gradients(model, x, y, sizes: list[int],
                           weights: list[float]) -> list[torch.Tensor]:
-    """Split (x, y) into micro-batches of ``sizes``, backward each weighted mean loss.
+    """Split (x, y) into micro-batches of ``sizes``, backward each weighted mean
+    loss.
 
-    Nothing resets .grad between the backward passes, so it ends up holding their sum.
+    Nothing resets .grad between the backward passes, so it ends up holding their
+    sum.
     """
     model.zero_grad(set_to_none=True)
     for xs, ys, weight in zip(x.split(sizes), y.split(sizes), weights, strict=True):
@@ -69,11 +71,13 @@ def accumulated_gradients(model, x, y, sizes: list[int],
 
 
 def splits(args) -> list[dict]:
-    """Each way of splitting one batch, with each weighting, and whether it is right."""
+    """Each way of splitting one batch, with each weighting, and whether it is
+    right."""
     m, k = args.micro_batch_size, args.accum_steps
     equal = [m] * k
     unequal = [m] * (k - 1) + [args.last_micro_batch]
-    short = [m] * (k // 2)  # an epoch that ends halfway through an accumulation group
+    # an epoch that ends halfway through an accumulation group
+    short = [m] * (k // 2)
 
     def case(name, sizes, weights, right):
         return {"case": name, "sizes": sizes, "weights": weights, "right": right}
@@ -83,7 +87,8 @@ def splits(args) -> list[dict]:
         case("equal micro-batches, loss / k", equal, [1 / k] * k, True),
         case("unequal micro-batches, loss / k", unequal, [1 / k] * k, False),
         case("unequal micro-batches, loss x n_i / N", unequal, right(unequal), True),
-        case("short last group, loss / accum-steps", short, [1 / k] * len(short), False),
+        case("short last group, loss / accum-steps", short, [1 / k] * len(short),
+             False),
         case("short last group, loss x n_i / N", short, right(short), True),
     ]
 

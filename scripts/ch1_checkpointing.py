@@ -121,7 +121,8 @@ class CheckpointedSequence(nn.Module):
 
 def with_strategy(model: GPT, strategy: str, segments: int,
                   preserve_rng_state: bool = True) -> GPT:
-    """A copy of ``model`` whose blocks run under ``strategy``; the same parameters."""
+    """A copy of ``model`` whose blocks run under ``strategy``; the same
+    parameters."""
     model = copy.deepcopy(model)
     blocks = model.blocks
     if strategy == "every block":
@@ -131,7 +132,8 @@ def with_strategy(model: GPT, strategy: str, segments: int,
         model.blocks = nn.ModuleList(Checkpointed(b) if i % 2 == 0 else b
                                      for i, b in enumerate(blocks))
     elif strategy == "sequential":
-        # GPT.forward iterates over model.blocks: one module that runs them all fits in.
+        # GPT.forward iterates over model.blocks: one module that runs them all
+        # fits in.
         model.blocks = nn.ModuleList([CheckpointedSequence(blocks, segments)])
     elif strategy == "selective":
         model.blocks = nn.ModuleList(Checkpointed(b, selective=True) for b in blocks)

@@ -74,7 +74,8 @@ def state_formula(n_params: int, n_tensors: int) -> dict[str, int]:
 
 def activation_formula(cfg: GPTConfig, batch: int, seq_len: int,
                        precision: str) -> dict[str, int]:
-    """What autograd saves in one forward pass of the book's GPT on the CPU, in bytes.
+    """What autograd saves in one forward pass of the book's GPT on the CPU, in
+    bytes.
 
     Per block, in units of B x T x C values: the residual stream entering each layer
     norm (2, kept in fp32), the two layer-norm outputs (2), qkv (3), the attention
@@ -84,8 +85,10 @@ def activation_formula(cfg: GPTConfig, batch: int, seq_len: int,
     """
     b, t, c, h, v = batch, seq_len, cfg.n_embd, cfg.n_head, cfg.vocab_size
     n_layer, bt, btc = cfg.n_layer, b * t, b * t * c
-    low = 2 if precision == "bf16" else 4  # bytes of a matmul's input or output value
-    # Two layer norms keep a mean and 1/std per row; attention one log-sum-exp per head.
+    # bytes of a matmul's input or output value
+    low = 2 if precision == "bf16" else 4
+    # Two layer norms keep a mean and 1/std per row; attention one log-sum-exp per
+    # head.
     statistics = n_layer * (4 * bt + b * h * t) * 4
     terms = {
         "residual stream into 2 layer norms per block (fp32)": n_layer * 2 * btc * 4,
@@ -125,10 +128,12 @@ def cuda_allocated(device: torch.device) -> int | None:
 
 def measure_step(cfg: GPTConfig, precision: str, x, y, seed: int,
                  device: torch.device, track_peaks: bool = True) -> dict:
-    """One training step that counts each kind of tensor after the phase that makes it.
+    """One training step that counts each kind of tensor after the phase that makes
+    it.
 
-    With ``track_peaks``, two more steps run under MemTracker for their peak: one with
-    the old gradients kept (zeroed in place), one with them freed (set_to_none=True).
+    With ``track_peaks``, two more steps run under MemTracker for their peak: one
+    with the old gradients kept (zeroed in place), one with them freed
+    (set_to_none=True).
     """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -156,13 +161,15 @@ def measure_step(cfg: GPTConfig, precision: str, x, y, seed: int,
         "param_dtype": str(first.dtype), "grad_dtype": str(first.grad.dtype),
     }
     if device.type == "cuda":
-        record["cuda_max_allocated"] = torch.cuda.max_memory_allocated(device) - before
+        record["cuda_max_allocated"] = (
+            torch.cuda.max_memory_allocated(device) - before)
     for set_to_none in (False, True):
         optimizer.zero_grad(set_to_none=set_to_none)
         key = "set_to_none" if set_to_none else "zeroed_in_place"
         record[f"gradients_between_steps_{key}"] = gradient_bytes(model)
         if device.type == "cuda":
-            cuda[f"after zero_grad(set_to_none={set_to_none})"] = cuda_allocated(device)
+            cuda[f"after zero_grad(set_to_none={set_to_none})"] = (
+                cuda_allocated(device))
         if not track_peaks:
             continue
         # A fresh tracker for each step: it registers the parameters, gradients and

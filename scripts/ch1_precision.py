@@ -84,11 +84,13 @@ def build(args, device):
 
 
 def train(args, precision: str, batches, device):
-    """Train from the seed on ``batches``; return the model, losses and median step time.
+    """Train from the seed on ``batches``; return the model, losses and median step
+    time.
 
     With fp16 the loss is multiplied by the scaler's scale before backward, and
-    scaler.step unscales the gradients, skipping the step if any is inf or NaN. bf16 has
-    fp32's exponent range and needs no scaler: GradScaler(enabled=False) passes through.
+    scaler.step unscales the gradients, skipping the step if any is inf or NaN. bf16
+    has fp32's exponent range and needs no scaler: GradScaler(enabled=False) passes
+    through.
     """
     model, optimizer = build(args, device)
     dtype = PRECISIONS[precision]
@@ -212,7 +214,8 @@ def underflow(model, x, y, scale: float, tokens_per_batch: int) -> dict:
 
 
 def scaler_run(args, batches, device) -> list[dict]:
-    """fp16 training that records each step's scale and whether the step was skipped."""
+    """fp16 training that records each step's scale and whether the step was
+    skipped."""
     model, optimizer = build(args, device)
     scaler = torch.amp.GradScaler(device.type, init_scale=args.init_scale,
                                   growth_interval=args.growth_interval)
@@ -226,10 +229,13 @@ def scaler_run(args, batches, device) -> list[dict]:
             model.blocks[0].mlp[0].weight.grad.view(-1)[0] = math.inf
         before = [p.detach().clone() for p in model.parameters()]
         scale = scaler.get_scale()
-        scaler.step(optimizer)  # unscales; skips optimizer.step() if it finds inf or NaN
-        scaler.update()  # halves the scale after a skip, doubles it after clean steps
+        # unscales; skips optimizer.step() if it finds inf or NaN
+        scaler.step(optimizer)
+        # halves the scale after a skip, doubles it after clean steps
+        scaler.update()
         after = model.parameters()
-        changed = any(not torch.equal(b, p) for b, p in zip(before, after, strict=True))
+        changed = any(not torch.equal(b, p)
+                      for b, p in zip(before, after, strict=True))
         optimizer.zero_grad(set_to_none=True)
         rows.append({"step": step, "scale": scale, "next_scale": scaler.get_scale(),
                      "weights_changed": changed, "loss": loss.item(),

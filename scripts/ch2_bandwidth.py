@@ -105,12 +105,14 @@ def collective_call(name: str, elements: int, device: torch.device):
 
 
 def copy_bandwidth(nbytes: int, rounds: int, device: torch.device) -> float:
-    """Bytes per second that Tensor.copy_ moves on each rank while all of them copy."""
+    """Bytes per second that Tensor.copy_ moves on each rank while all of them
+    copy."""
     source = torch.ones(nbytes // FLOAT32_BYTES, device=device)
     target = torch.empty_like(source)
     copy = partial(target.copy_, source)
     per_round = seconds_per_call(copy, calls=1, rounds=rounds + 1, device=device)
-    timed = per_round[1:]  # the first copy also maps the target's fresh pages: not timed
+    # the first copy also maps the target's fresh pages: not timed
+    timed = per_round[1:]
     return source.numel() * FLOAT32_BYTES / statistics.median(timed)
 
 

@@ -137,7 +137,8 @@ def send_recv(rank, world, device):
 def isend_irecv(rank, world, device):
     x, received = values(rank, 2, device), torch.empty(2, device=device)
     right, left = (rank + 1) % world, (rank - 1) % world
-    requests = [dist.isend(x, dst=right), dist.irecv(received, src=left)]  # no waiting
+    # no waiting
+    requests = [dist.isend(x, dst=right), dist.irecv(received, src=left)]
     for request in requests:
         request.wait()  # x must not change, nor received be read, before this
     return x.tolist(), received.tolist()
@@ -152,7 +153,8 @@ def config_as_tensor(rank, world, device):
 
 
 def config_as_object(rank, world, device):
-    """The config as a Python object: pickled on rank 0, unpickled everywhere else."""
+    """The config as a Python object: pickled on rank 0, unpickled everywhere
+    else."""
     config = [{"lr": 3e-4, "batch_size": 32, "seed": 123456789, "model": "small"}]
     if rank != 0:
         config = [None]
@@ -197,8 +199,10 @@ def uneven_all_gather_fallback(rank, world, device):
     padded = torch.zeros(longest, device=device)
     padded[: x.numel()] = x
     pieces = [torch.empty(longest, device=device) for _ in range(world)]
-    dist.all_gather(pieces, padded)  # equal sizes, then cut each piece back to its length
-    return torch.cat([p[: int(n)] for p, n in zip(pieces, lengths, strict=True)]).tolist()
+    # equal sizes, then cut each piece back to its length
+    dist.all_gather(pieces, padded)
+    return torch.cat([p[: int(n)]
+                      for p, n in zip(pieces, lengths, strict=True)]).tolist()
 
 
 def integer_average(rank, world, device):

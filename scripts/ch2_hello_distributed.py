@@ -1,4 +1,5 @@
-"""Your first distributed program: every process says who it is, then they all-reduce.
+"""Your first distributed program: every process says who it is, then they
+all-reduce.
 
     torchrun --standalone --nproc_per_node=2 scripts/ch2_hello_distributed.py
     python scripts/ch2_hello_distributed.py          # a world of one, no launcher
@@ -15,7 +16,12 @@ import torch
 import torch.distributed as dist
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, run_main, script_parser
-from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
+from dtbook.distributed import (
+    choose_backend,
+    drain_gloo_workers,
+    open_metrics,
+    use_single_process_defaults,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -29,16 +35,20 @@ def main() -> None:
     use_single_process_defaults()
     backend, device = choose_backend(args.backend)
 
-    # torchrun exported RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; "env://" reads them.
+    # torchrun exported RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; "env://"
+    # reads them.
     dist.init_process_group(backend=backend, init_method="env://")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])
-    print(f"rank {rank}/{world_size} (local rank {local_rank}) on {socket.gethostname()}: "
-          f"backend={backend} device={device}", flush=True)
+    print(f"rank {rank}/{world_size} (local rank {local_rank}) "
+          f"on {socket.gethostname()}: backend={backend} device={device}",
+          flush=True)
 
-    # Every rank gathers every rank's self-description, so rank 0 can record them all.
-    me = {"rank": rank, "world_size": world_size, "local_rank": local_rank, "backend": backend,
-          "device": str(device), "host": socket.gethostname(), "pid": os.getpid()}
+    # Every rank gathers every rank's self-description, so rank 0 can record them
+    # all.
+    me = {"rank": rank, "world_size": world_size, "local_rank": local_rank,
+          "backend": backend, "device": str(device), "host": socket.gethostname(),
+          "pid": os.getpid()}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, me)
 
@@ -52,9 +62,11 @@ def main() -> None:
         metrics = open_metrics(args.metrics, backend, device)
         for who in everyone:
             metrics.write(event="rank", **who)
-        metrics.write(event="all_reduce", op="sum", contributed="rank + 1", result=value.item(), expected=expected)
+        metrics.write(event="all_reduce", op="sum", contributed="rank + 1",
+                      result=value.item(), expected=expected)
         metrics.close()
-        print(f"all_reduce(SUM of rank+1) = {value.item():g} on every rank; formula gives {expected:g}")
+        print(f"all_reduce(SUM of rank+1) = {value.item():g} on every rank; "
+              f"formula gives {expected:g}")
     drain_gloo_workers()
     dist.destroy_process_group()
 

@@ -89,21 +89,25 @@ def check_tcp_address(init_method: str) -> None:
 
 def join(init_method: str, backend: str, device: torch.device,
          timeout: datetime.timedelta) -> float:
-    """Join the default process group; return the seconds it took (all wait for all)."""
+    """Join the default process group; return the seconds it took (all wait for
+    all)."""
     start = time.perf_counter()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device_id = device if device.type == "cuda" else None  # NCCL: bind this GPU now
-    if init_method == "env://":  # rank, size and address all come from the environment
+    # rank, size and address all come from the environment
+    if init_method == "env://":
         dist.init_process_group(backend, init_method="env://", timeout=timeout,
                                 device_id=device_id)
     else:  # tcp:// and file:// only say where to meet: rank and size are arguments
         dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world, timeout=timeout, device_id=device_id)
+                                world_size=world, timeout=timeout,
+                                device_id=device_id)
     return time.perf_counter() - start
 
 
 def even_and_odd_groups(device: torch.device) -> dict:
-    """Split the world in two groups, all-reduce in each; return what this rank saw."""
+    """Split the world in two groups, all-reduce in each; return what this rank
+    saw."""
     rank, world = dist.get_rank(), dist.get_world_size()
     # Every rank creates every group, in the same order, even groups it is not in.
     evens = dist.new_group(list(range(0, world, 2)))
@@ -113,7 +117,8 @@ def even_and_odd_groups(device: torch.device) -> dict:
     dist.all_reduce(x, group=mine)  # only the members of `mine` take part
     return {"rank": rank, "group": "even" if mine is evens else "odd",
             "group_ranks": dist.get_process_group_ranks(mine),
-            "rank_in_group": dist.get_rank(mine), "group_size": dist.get_world_size(mine),
+            "rank_in_group": dist.get_rank(mine),
+            "group_size": dist.get_world_size(mine),
             "rank_in_other_group": dist.get_rank(other), "group_sum": x.item()}
 
 
@@ -133,7 +138,8 @@ def compute(a: torch.Tensor) -> torch.Tensor:
 
 
 def overlap_all_reduce(elements: int, device: torch.device) -> dict:
-    """Start an all_reduce, compute while it runs, then wait: what async_op is for."""
+    """Start an all_reduce, compute while it runs, then wait: what async_op is
+    for."""
     world = dist.get_world_size()
     a = torch.randn(256, 256, device=device)
     gradient = torch.ones(elements, device=device)
@@ -143,7 +149,8 @@ def overlap_all_reduce(elements: int, device: torch.device) -> dict:
     returned = time.perf_counter() - start
     completed_at_return = work.is_completed()
     compute(a)
-    synchronize(device)  # on a GPU, work is only queued until now: wait for it to run
+    # on a GPU, work is only queued until now: wait for it to run
+    synchronize(device)
     computed = time.perf_counter() - start
     work.wait()  # now `gradient` holds the sum (a GPU's current stream waits for it)
     synchronize(device)
@@ -158,8 +165,10 @@ def overlap_all_reduce(elements: int, device: torch.device) -> dict:
     synchronize(device)
     one_after_the_other = time.perf_counter() - start
 
-    # A handle's future can carry a continuation: DDP's communication hooks return such.
-    future = dist.all_reduce(torch.ones(4, device=device), async_op=True).get_future()
+    # A handle's future can carry a continuation: DDP's communication hooks return
+    # such.
+    future = dist.all_reduce(torch.ones(4, device=device),
+                             async_op=True).get_future()
     averaged = future.then(lambda done: done.value()[0] / world).wait()
     return {"returned_s": returned, "computed_s": computed, "finished_s": finished,
             "blocking_all_reduce_s": blocking,
@@ -171,10 +180,12 @@ def overlap_all_reduce(elements: int, device: torch.device) -> dict:
 
 def rejoin_with_own_store(backend: str, device: torch.device,
                           timeout: datetime.timedelta) -> dict:
-    """Leave the default group, then join a new one through a TCPStore built by hand."""
+    """Leave the default group, then join a new one through a TCPStore built by
+    hand."""
     rank, world = dist.get_rank(), dist.get_world_size()
     port = [free_port() if rank == 0 else None]
-    dist.broadcast_object_list(port, src=0)  # agree on where to meet next, while we can
+    # agree on where to meet next, while we can
+    dist.broadcast_object_list(port, src=0)
     drain_gloo_workers()
     dist.destroy_process_group()
     try:
@@ -183,11 +194,13 @@ def rejoin_with_own_store(backend: str, device: torch.device,
     except (RuntimeError, ValueError) as err:
         after_destroy = one_line(err)
 
-    # The store is a key-value table every process reaches over TCP; rank 0 serves it.
+    # The store is a key-value table every process reaches over TCP; rank 0 serves
+    # it.
     store = dist.TCPStore(os.environ["MASTER_ADDR"], port[0], world_size=world,
                           is_master=rank == 0, timeout=timeout)
     store.set(f"hello/{rank}", f"rank {rank} is process {os.getpid()}")
-    neighbour = store.get(f"hello/{(rank + 1) % world}").decode()  # waits for the key
+    # waits for the key
+    neighbour = store.get(f"hello/{(rank + 1) % world}").decode()
     device_id = device if device.type == "cuda" else None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timeout, device_id=device_id)

@@ -44,9 +44,10 @@ FLOAT32_UNIT_ROUNDOFF = 2.0**-24  # u: the largest relative rounding error of a 
 def exchange(send: torch.Tensor, to: int, receive: torch.Tensor, source: int) -> int:
     """Send one tensor and receive another at the same time; return the bytes sent.
 
-    batch_isend_irecv posts both before waiting on either, so neighbours that all send
-    first cannot wait for each other forever. Empty tensors (a tensor with fewer elements
-    than there are ranks has empty chunks) are not sent: the receiver skips them too.
+    batch_isend_irecv posts both before waiting on either, so neighbours that all
+    send first cannot wait for each other forever. Empty tensors (a tensor with fewer
+    elements than there are ranks has empty chunks) are not sent: the receiver skips
+    them too.
     """
     ops = []
     if send.numel():
@@ -62,10 +63,12 @@ def ring_all_reduce(tensor: torch.Tensor) -> int:
     """Sum ``tensor`` over all ranks, in place; return the bytes this rank sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % world, (rank - 1) % world
-    chunks = tensor.view(-1).tensor_split(world)  # views: writing one writes the tensor
+    # views: writing one writes the tensor
+    chunks = tensor.view(-1).tensor_split(world)
     incoming = torch.empty_like(chunks[0])  # the first chunk is the largest
     sent = 0
-    # Reduce-scatter: partial sums travel around the ring, each rank adding its own part.
+    # Reduce-scatter: partial sums travel around the ring, each rank adding its own
+    # part.
     # After N-1 steps, rank r holds the complete sum of chunk (r + 1) % N.
     for step in range(world - 1):
         send, receive = (rank - step) % world, (rank - step - 1) % world
@@ -80,11 +83,13 @@ def ring_all_reduce(tensor: torch.Tensor) -> int:
 
 
 def recursive_doubling_all_reduce(tensor: torch.Tensor) -> int:
-    """Sum ``tensor`` over a power-of-two number of ranks, in place; return bytes sent."""
+    """Sum ``tensor`` over a power-of-two number of ranks, in place; return bytes
+    sent."""
     rank, world = dist.get_rank(), dist.get_world_size()
     incoming = torch.empty_like(tensor)
     sent, distance = 0, 1
-    while distance < world:  # after the step with distance d, groups of 2d ranks agree
+    # after the step with distance d, groups of 2d ranks agree
+    while distance < world:
         partner = rank ^ distance
         sent += exchange(tensor, partner, incoming, partner)
         tensor.add_(incoming)  # a + b here, b + a at the partner: the same bits
@@ -130,23 +135,27 @@ def check(name: str, elements: int, device: torch.device) -> dict:
     return {"algorithm": name, "elements": elements, "world_size": world, **results}
 
 
-def rounding_units(x: torch.Tensor, mine: torch.Tensor, reference: torch.Tensor) -> dict:
+def rounding_units(x: torch.Tensor, mine: torch.Tensor,
+                   reference: torch.Tensor) -> dict:
     """The largest difference from the reference, in units of u * sum(|x_i|).
 
-    Summing N float32 numbers in any order is off from the exact sum by at most about
-    (N-1) * u * sum_i |x_i| (each addition rounds once), so two orders differ by at most
-    twice that. The control drops rank 0's contribution: a bug that size must be caught.
+    Summing N float32 numbers in any order is off from the exact sum by at most
+    about (N-1) * u * sum_i |x_i| (each addition rounds once), so two orders differ
+    by at most twice that. The control drops rank 0's contribution: a bug that size
+    must be caught.
     """
     magnitude = x.abs()
     dist.all_reduce(magnitude)  # sum over ranks of |x_i|, per element
     rank0 = x.clone()
     dist.broadcast(rank0, src=0)
-    scale = FLOAT32_UNIT_ROUNDOFF * magnitude.clamp_min(torch.finfo(torch.float32).tiny)
+    scale = FLOAT32_UNIT_ROUNDOFF * magnitude.clamp_min(
+        torch.finfo(torch.float32).tiny)
     units = ((mine - reference).abs() / scale).max().item()
     control = ((mine - rank0 - reference).abs() / scale).max().item()
     worst = torch.tensor([units, control], dtype=torch.float64, device=x.device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"rounding_units": worst[0].item(), "control_rounding_units": worst[1].item(),
+    return {"rounding_units": worst[0].item(),
+            "control_rounding_units": worst[1].item(),
             "bound_units": 2 * (dist.get_world_size() - 1)}
 
 

@@ -23,7 +23,8 @@ def synchronize(device: torch.device) -> None:
 
 def seconds_per_call(fn: Callable[[], object], calls: int, rounds: int,
                      device: torch.device) -> list[float]:
-    """Seconds per call of ``fn`` in each of ``rounds`` rounds, on the slowest rank."""
+    """Seconds per call of ``fn`` in each of ``rounds`` rounds, on the slowest
+    rank."""
     per_call = []
     for _ in range(rounds):
         synchronize(device)

@@ -92,13 +92,15 @@ class AlphaBeta:
 
     @classmethod
     def fit(cls, measurements: Iterable[Measurement], **fitted_on) -> AlphaBeta:
-        """Least squares on the relative error, with alpha and beta kept non-negative.
+        """Least squares on the relative error, with alpha and beta kept
+        non-negative.
 
-        Times span decades from a few bytes to hundreds of MiB; least squares on seconds
-        would fit the largest messages only and leave alpha to chance. Minimising
-        sum((predicted / measured - 1)^2) weighs every size alike. The model is linear in
-        alpha and beta, so this is a 2x2 linear system; if its solution has a negative
-        parameter, the best non-negative fit lies on the boundary where that one is 0.
+        Times span decades from a few bytes to hundreds of MiB; least squares on
+        seconds would fit the largest messages only and leave alpha to chance.
+        Minimising sum((predicted / measured - 1)^2) weighs every size alike. The
+        model is linear in alpha and beta, so this is a 2x2 linear system; if its
+        solution has a negative parameter, the best non-negative fit lies on the
+        boundary where that one is 0.
         """
         rows = []
         for m in measurements:
@@ -112,8 +114,8 @@ class AlphaBeta:
         su, sv = sum(u for u, _ in rows), sum(v for _, v in rows)
         det = suu * svv - suv * suv
         if not rows or suu == 0 or svv == 0 or det <= 1e-12 * suu * svv:
-            raise ValueError("cannot fit alpha and beta: need measurements on 2 or more "
-                             "processes at both small and large sizes")
+            raise ValueError("cannot fit alpha and beta: need measurements on 2 or "
+                             "more processes at both small and large sizes")
 
         def cost(alpha: float, beta: float) -> float:
             return sum((u * alpha + v * beta - 1) ** 2 for u, v in rows)

@@ -41,19 +41,20 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class SavedTensors:
-    """The tensors autograd saves for backward while the block runs, each storage once.
+    """The tensors autograd saves for backward while the block runs, each storage
+    once.
 
         with SavedTensors(exclude=model.parameters()) as saved:
             loss = model(x, y)
         saved.bytes, saved.bytes_by_dtype()
 
     A ``saved_tensors_hooks`` pack hook sees every tensor an autograd node stores.
-    Several nodes often save the same storage (q, k and v are views of one qkv output),
-    so storages are keyed by address; that is sound because every saved storage stays
-    alive until backward frees it. Every linear layer saves its weight, but parameters
-    are counted as parameters: ``exclude`` them. The hook cannot see memory kept outside
-    autograd's nodes, such as the cache of selective activation checkpointing;
-    MemTracker (torch.distributed._tools.mem_tracker) sees that too.
+    Several nodes often save the same storage (q, k and v are views of one qkv
+    output), so storages are keyed by address; that is sound because every saved
+    storage stays alive until backward frees it. Every linear layer saves its weight,
+    but parameters are counted as parameters: ``exclude`` them. The hook cannot see
+    memory kept outside autograd's nodes, such as the cache of selective activation
+    checkpointing; MemTracker (torch.distributed._tools.mem_tracker) sees that too.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
@@ -67,7 +68,8 @@ class SavedTensors:
         return tensor
 
     def __enter__(self) -> SavedTensors:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
 
