@@ -1,33 +1,70 @@
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from support import REPO
 
 QUICK_BUILD = REPO / "_build" / "quick"
-_BUILD: dict = {}  # the one build of this session, kept so a failure is not rebuilt for every test
+BUILD_TIMEOUT_S = 2400
+_BUILD: dict = {}  # the one build of this session, so a failure is not rebuilt for every test
+
+
+def pytest_collection_finish(session):
+    """Start the quick build as soon as the session knows it needs one.
+
+    The build runs in the background while the chapter tests run: both spend much of their
+    time waiting (process start-up, rendezvous, the timeouts they demonstrate), so side by
+    side they keep two cores busier than one after the other.
+    """
+    if any("quick_book" in getattr(item, "fixturenames", ()) for item in session.items):
+        QUICK_BUILD.parent.mkdir(parents=True, exist_ok=True)
+        out = open(QUICK_BUILD.parent / "quick-build.out", "w")
+        err = open(QUICK_BUILD.parent / "quick-build.err", "w")
+        _BUILD["started"] = time.monotonic()
+        _BUILD["files"] = (out, err)
+        _BUILD["process"] = subprocess.Popen(
+            [sys.executable, str(REPO / "tools" / "build_book.py"), "--quick", "--out", str(QUICK_BUILD),
+             "--jobs", "2"],
+            stdout=out, stderr=err, cwd=REPO, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    """A session that ends early (-x, Ctrl-C) stops the build and every kernel it started."""
+    process = _BUILD.get("process")
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")
 def quick_book():
-    """Execute every notebook with QUICK=True and build the HTML once per test session.
+    """Every notebook executed with QUICK=True and the HTML built, once per test session.
 
-    Two notebooks run side by side: much of each one's time is waiting (process start-up,
-    rendezvous, the timeouts it demonstrates), and the test build's numbers are never shown.
-
-    Unchanged notebooks are not re-executed (the builder fingerprints them), so a
-    second `make test` is quick; a clean clone executes everything. A failed build is
-    reported once and not retried by every test that needs it.
+    Two notebooks run side by side, and the build beside the chapter tests; the test build's
+    numbers are never shown. Unchanged notebooks are not re-executed (the builder fingerprints
+    them), so a second `make test` is quick; a clean clone executes everything. A failed
+    build is reported once and not retried by every test that needs it.
     """
-    if "done" not in _BUILD:
-        _BUILD["done"] = subprocess.run(
-            [sys.executable, str(REPO / "tools" / "build_book.py"), "--quick", "--out", str(QUICK_BUILD),
-             "--jobs", "2"],
-            capture_output=True, text=True, cwd=REPO, timeout=2400,
-        )
-        print(_BUILD["done"].stdout[-3000:])
-    done = _BUILD["done"]
-    if done.returncode != 0:
-        pytest.fail(f"building the book failed:\n{done.stderr[-4000:]}\n{done.stdout[-4000:]}", pytrace=False)
+    process = _BUILD["process"]
+    if "returncode" not in _BUILD:
+        left = BUILD_TIMEOUT_S - (time.monotonic() - _BUILD["started"])
+        try:
+            _BUILD["returncode"] = process.wait(timeout=max(left, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            _BUILD["returncode"] = f"killed after {BUILD_TIMEOUT_S} s"
+        for file in _BUILD["files"]:
+            file.close()
+        stdout = (QUICK_BUILD.parent / "quick-build.out").read_text()
+        print(stdout[-3000:])
+    if _BUILD["returncode"] != 0:
+        out, err = ((QUICK_BUILD.parent / f"quick-build.{kind}").read_text()[-4000:] for kind in ("err", "out"))
+        pytest.fail(f"building the book failed ({_BUILD['returncode']}):\n{out}\n{err}", pytrace=False)
     return QUICK_BUILD

@@ -39,8 +39,9 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 SLURM_CONF = """\
 # The cluster lab's Slurm: written by dtbook.slurm_lab, removed with the lab.
 ClusterName=dtbook-lab{slot}
-# Every lab starts with an empty state; job ids that differ from any earlier lab's keep the
-# job file's per-job paths (runs/slurm/ckpt-<job id>) apart, as on a real cluster.
+# Every lab starts with an empty state; job ids that differ from any earlier lab's, and from
+# those of a lab in another slot running beside it, keep the job file's per-job paths
+# (runs/slurm/ckpt-<job id>) apart, as on a real cluster.
 FirstJobId={first_job_id}
 SlurmctldHost={host}({host_address})
 SlurmctldPort={ctld_port}
@@ -77,6 +78,14 @@ KillWait=30
 {nodes}
 PartitionName=lab Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def first_job_id(slot: int, now: float) -> int:
+    """Each slot numbers its jobs in its own range of 8 million ids (Slurm's largest job id is
+    67,043,328), starting where the clock is: a lab never reuses the ids of a lab before it
+    (for 92 days) nor of a lab in another slot."""
+    span = 8_000_000
+    return 1 + slot * span + int(now) % (span - 100_000)  # room for the lab's own jobs
 
 
 def slurm_problem() -> str | None:
@@ -149,7 +158,7 @@ class SlurmLab:
         self.conf.write_text(SLURM_CONF.format(
             slot=self.lab.slot, host=socket.gethostname().split(".")[0], host_address=self.lab.host_address,
             ctld_port=6817 + 10 * (self.lab.slot + 1), dir=self.dir, nodes=nodes,
-            first_job_id=1 + int(time.time()) % 60_000_000))
+            first_job_id=first_job_id(self.lab.slot, time.time())))
 
     def _start_daemons(self) -> None:
         munge = self.dir / "munge"

@@ -76,3 +76,19 @@ def test_exported_variables_override_the_defaults(slurm, tmp_path, stub_path):
     assert "--nproc_per_node=2" in a and "--rdzv_endpoint=node0:29611" in a
     assert a[a.index("--backend") + 1] == "gloo" and a[a.index("--checkpoint-dir") + 1] == "/shared/ckpt"
     assert "OMP_NUM_THREADS=1 NCCL_DEBUG=WARN" in out  # 2 cores shared by 2 workers
+
+
+@pytest.mark.parametrize("now", [0, 1_795_690_000.7, 7_899_999])
+def test_labs_side_by_side_never_share_a_job_id(now):
+    """Job ids name files (runs/slurm/metrics-<id>.jsonl): two labs running at once, in
+    different slots, must number their jobs in blocks that cannot meet."""
+    from dtbook.cluster_lab import SLOTS
+    from dtbook.slurm_lab import first_job_id
+
+    span, slurm_max_job_id = 8_000_000, 67_043_328
+    for slot in range(SLOTS):
+        first = first_job_id(slot, now)
+        # the first 100,000 jobs of the lab stay inside the slot's own block
+        assert slot * span < first and first + 100_000 <= (slot + 1) * span
+    assert first_job_id(SLOTS - 1, now) + 100_000 <= slurm_max_job_id
+    assert first_job_id(0, now + 1) != first_job_id(0, now)  # a later lab, other ids
