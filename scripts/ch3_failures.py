@@ -10,6 +10,7 @@
     torchrun ... --failure rank-seed                   # replicas drift apart
     torchrun ... --failure rank-seed --model-seed shared
     torchrun ... --failure rank-seed --ddp             # DDP hides it for parameters only
+    torchrun ... --failure rank-seed --all-variants    # the three rank-seed runs above, in one launch
     torchrun ... --failure bad-record                  # a plain bug, dressed up as a distributed one
     python scripts/ch3_failures.py --failure bad-record   # the same bug with one process: plain
     torchrun ... --failure uneven-inputs               # ranks with fewer batches: a hang ...
@@ -54,6 +55,7 @@ FLAG_OWNERS = {
     "static_graph": "unused-parameter",
     "model_seed": "rank-seed",
     "ddp": "rank-seed",
+    "all_variants": "rank-seed",
     "join": "uneven-inputs",
     "ddp_own_group": "ddp-under-detail",
 }
@@ -76,6 +78,8 @@ def parse_args() -> argparse.Namespace:
                         help="rank-seed: seed the model with seed+rank (the bug, default) or with seed on every rank")
     parser.add_argument("--ddp", action="store_true",
                         help="rank-seed: train with DDP instead of a hand-written all_reduce of gradients")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="rank-seed: run per-rank, shared, and per-rank with --ddp one after another")
     parser.add_argument("--join", action="store_true",
                         help="uneven-inputs: train inside DDP's join() context manager")
     parser.add_argument("--ddp-own-group", action="store_true",
@@ -87,6 +91,8 @@ def parse_args() -> argparse.Namespace:
             raise ScriptError(f"--{flag.replace('_', '-')} applies only to --failure {owner}")
     if args.find_unused_parameters and args.static_graph:
         raise ScriptError("choose one of --find-unused-parameters and --static-graph, not both")
+    if args.all_variants and (args.model_seed or args.ddp):
+        raise ScriptError("--all-variants runs every --model-seed with and without --ddp: give none of them")
     args.model_seed = args.model_seed or "per-rank"
     return args
 
@@ -227,6 +233,18 @@ class RandomFeatureRegressor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(torch.cos(x @ self.projection.to(x.device)))
+
+
+# What --all-variants runs, in this order: the bug, the fix, the bug under DDP.
+RANK_SEED_VARIANTS = [("per-rank", False), ("shared", False), ("per-rank", True)]
+
+
+def rank_seed_runs(args) -> list[argparse.Namespace]:
+    """The rank-seed runs one launch makes: the one its flags ask for, or with --all-variants each variant."""
+    if not args.all_variants:
+        return [args]
+    return [argparse.Namespace(**{**vars(args), "model_seed": seed, "ddp": ddp})
+            for seed, ddp in RANK_SEED_VARIANTS]
 
 
 def spread_across_ranks(tensor: torch.Tensor) -> float:
@@ -389,7 +407,10 @@ def main() -> None:
     elif args.failure == "unused-parameter":
         unused_parameter(args, device, metrics)
     elif args.failure == "rank-seed":
-        rank_seed(args, device, metrics)
+        for run in rank_seed_runs(args):
+            if args.all_variants and dist.get_rank() == 0:
+                print(f"--model-seed {run.model_seed}{' --ddp' if run.ddp else ''}:", flush=True)
+            rank_seed(run, device, metrics)
     elif args.failure == "uneven-inputs":
         uneven_inputs(args, device, metrics)
     elif args.failure == "ddp-under-detail":

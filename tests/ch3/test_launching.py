@@ -1,10 +1,14 @@
-"""Chapter 3, section 2: launchers and their environment, two "nodes" on one machine, DistributedSampler."""
+"""Chapter 3, section 2: launchers and their environment, two "nodes" on one machine, DistributedSampler.
+
+The single-node torchrun environment and mp.spawn's are asserted by the quick run of
+notebooks/ch3_ddp/02_single_and_multi_node.ipynb with the same arguments, so they are not launched again here.
+"""
 
 import math
 
 import pytest
 
-from dtbook.launch import launch_python, launch_torchrun_nodes
+from dtbook.launch import launch_torchrun_nodes
 from dtbook.metrics import read_metrics
 from dtbook.output_filters import ExitBarrierRaceFilter
 from support import run_python, run_torchrun
@@ -37,25 +41,6 @@ def test_static_rendezvous_honors_node_rank():
     rows = worker_rows(run)
     assert sorted(r["rank"] for r in rows) == [0, 1]
     assert all(r["group_rank"] == r["node"] for r in rows)
-
-
-def test_single_node_environment(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    run_torchrun("ch3_torchrun_env.py", "--metrics", metrics, nproc=2, timeout=120)
-    procs = [m for m in read_metrics(metrics) if m.get("event") == "process"]
-    assert [int(p["env"]["RANK"]) for p in procs] == [0, 1]
-    assert all(p["env"]["RANK"] == p["env"]["LOCAL_RANK"] for p in procs)
-    assert {p["env"]["WORLD_SIZE"] for p in procs} == {"2"} and {p["env"]["GROUP_RANK"] for p in procs} == {"0"}
-    assert all(p["env"]["TORCHELASTIC_RUN_ID"] for p in procs)
-
-
-def test_spawn_launches_without_launcher_variables():
-    run = launch_python("ch3_spawn.py", ["--nproc", 2], timeout=120, threads_per_process=1, quiet=True)
-    procs = run.records("process")
-    assert [p["rank"] for p in procs] == [0, 1]
-    assert all(value is None for p in procs for value in p["env_found"].values())
-    assert len({p["parent_pid"] for p in procs}) == 1 and len({p["pid"] for p in procs}) == 2
-    assert run.records("all_reduce")[0]["result"] == 3
 
 
 @pytest.fixture(scope="module")
