@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,11 @@ def test_an_exception_inside_with_stops_every_process_and_removes_everything():
             # A process that left its process group is still on the node, and still found there.
             lab.run(0, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 &"])
             inodes = {os.stat(f"/run/netns/{node.netns}").st_ino for node in lab.nodes}
+            # popen returns before `ip netns exec` has entered the namespace: on a busy
+            # machine a sleeper can still be outside it for a moment.
+            deadline = time.monotonic() + 30
+            while len(processes_in(inodes)) != 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert len(processes_in(inodes)) == 3
             raise RuntimeError("boom")
     assert lab.leftovers() == []
