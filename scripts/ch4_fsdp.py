@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write checkpoints in the background (dcp.async_save) while training goes on")
     add("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
     add("--log-every", type=positive_int, default=10, help="log the loss every N steps")
+    add("--print-every", type=positive_int,
+        help="print progress on the console every N steps (default: every logged step)")
     add("--save-final", type=Path, help="gather the full weights and let rank 0 write them here")
     add("--crash-at-step", type=positive_int,
         help="fault injection: SIGKILL one process right after this optimizer step")
@@ -569,7 +571,7 @@ def main() -> None:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    progress = Progress(args.log_every, total_steps, global_batch, metrics)
+    progress = Progress(args.log_every, total_steps, global_batch, metrics, args.print_every)
     save_group, pending = checkpoint_group(args), None
     model.train()
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
