@@ -141,13 +141,23 @@ def measurement(row: dict) -> Measurement:
 
 
 def print_table(rows: list[dict], model: AlphaBeta | None) -> None:
-    print(f"{'collective':<15} {'size':>9} {'time (us)':>11} {'algbw GB/s':>10} "
-          f"{'busbw GB/s':>10} {'model (us)':>10}")
+    """One row per size, the collectives side by side: time and bus bandwidth of each."""
+    collectives = list(dict.fromkeys(r["collective"] for r in rows))
+    by_size: dict[int, dict[str, dict]] = {}
     for r in rows:
-        predicted = model.predict(r["nbytes"], r["world_size"], r["collective"]) if model else 0
-        print(f"{r['collective']:<15} {format_bytes(r['nbytes']):>9} {r['seconds'] * 1e6:>11.1f} "
-              f"{r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f} "
-              + (f"{predicted * 1e6:>10.1f}" if model else f"{'-':>10}"))
+        by_size.setdefault(r["nbytes"], {})[r["collective"]] = r
+    print(f"{'':>9}" + "".join(f" {c:>17}" for c in collectives))
+    print(f"{'size':>9}" + "".join(f" {'us':>10} {'busbw':>6}" for c in collectives)
+          + "   (busbw: GB/s)")
+    for nbytes, cells in by_size.items():
+        print(f"{format_bytes(nbytes):>9}" + "".join(
+            f" {cells[c]['seconds'] * 1e6:>10.1f} {cells[c]['busbw_GBps']:>6.3f}"
+            if c in cells else f" {'-':>17}" for c in collectives))
+    if model:
+        world = rows[0]["world_size"]
+        largest = max(by_size)
+        print(f"the model at {format_bytes(largest)}: " + ", ".join(
+            f"{c} {model.predict(largest, world, c) * 1e6:.0f} us" for c in collectives))
 
 
 def main() -> None:

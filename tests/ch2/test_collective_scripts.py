@@ -54,14 +54,24 @@ def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(t
 
     model = AlphaBeta.load(model_file)
     assert (model.alpha_s, model.beta_s_per_byte) == (fit["alpha_s"], fit["beta_s_per_byte"])
-    for r in rows:  # every row printed once, with its time and the model's prediction
-        size = format_bytes(r["nbytes"])
-        line = re.search(rf"^{r['collective']}\s+{size}\s+(\S+)\s+\S+\s+\S+\s+(\S+)$", done.stdout, re.M)
-        assert line, f"no table row for {r['collective']} {size}:\n{done.stdout}"
-        printed_time, printed_model = float(line.group(1)), float(line.group(2))
-        assert printed_time == pytest.approx(r["seconds"] * 1e6, abs=0.051)  # printed to 0.1 us
-        predicted = model.predict(r["nbytes"], 2, r["collective"]) * 1e6
-        assert printed_model == pytest.approx(predicted, abs=0.051)
+    # One row per size, the collectives side by side in the header's order: time, busbw.
+    header = next(line for line in done.stdout.splitlines() if "all_reduce" in line)
+    order = header.split()
+    assert sorted(order) == sorted({r["collective"] for r in rows})
+    by_key = {(r["collective"], r["nbytes"]): r for r in rows}
+    for size in sorted({r["nbytes"] for r in rows}):
+        line = re.search(rf"^ *{re.escape(format_bytes(size))}((?: +\S+)+)$", done.stdout, re.M)
+        assert line, f"no table row for {format_bytes(size)}:\n{done.stdout}"
+        values = [float(v) for v in line.group(1).split()]
+        for i, collective in enumerate(order):
+            r = by_key[collective, size]
+            assert values[2 * i] == pytest.approx(r["seconds"] * 1e6, abs=0.051)  # to 0.1 us
+            assert values[2 * i + 1] == pytest.approx(r["busbw_GBps"], abs=0.00051)
+    largest = max(r["nbytes"] for r in rows)
+    for collective in order:
+        predicted = model.predict(largest, 2, collective) * 1e6
+        printed = re.search(rf"{collective} (\d+) us", done.stdout.split("the model at")[1])
+        assert float(printed.group(1)) == pytest.approx(predicted, abs=0.51)  # to 1 us
     assert "memory copy:" in done.stdout and "alpha-beta fit to all_reduce:" in done.stdout
 
 
