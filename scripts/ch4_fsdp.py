@@ -446,8 +446,8 @@ def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, in
         raise ScriptError(f"checkpoint {path} belongs to a different run "
                           f"(checkpoint vs now: {', '.join(changed)})")
 
-    # Ask for this rank's shards of everything; DCP reads just the byte ranges that
-    # overlap them, whatever the layout of the processes that wrote the checkpoint.
+    # Ask for this rank's shards of everything; DCP reads each stored item that
+    # overlaps them, whatever the layout of the processes that wrote the checkpoint.
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
