@@ -22,10 +22,10 @@ def _env(extra: dict | None) -> dict:
 
 
 def run_torchrun(script: str, *args, nproc: int = 2, timeout: float = 300, env: dict | None = None,
-                 check: bool = True) -> subprocess.CompletedProcess:
+                 check: bool = True, torchrun_args: tuple = ()) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=N scripts/<script> args...``; output captured as text."""
-    command = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", str(SCRIPTS / script),
-               *map(str, args)]
+    command = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *map(str, torchrun_args),
+               str(SCRIPTS / script), *map(str, args)]
     return _run(command, timeout, env, check)
 
 

@@ -12,8 +12,9 @@ from dtbook.output_filters import AgentTracebackFilter
 # --- the launcher ---------------------------------------------------------------------------
 
 def test_launcher_raises_on_a_failed_run():
+    # A backend no machine has: --backend nccl failed only without a GPU, and ran on one.
     with pytest.raises(RuntimeError, match="exited with status"):
-        launch_torchrun("ch2_hello_distributed.py", ["--backend", "nccl"], nproc=1, timeout=60, quiet=True)
+        launch_torchrun("ch2_hello_distributed.py", ["--backend", "mpi"], nproc=1, timeout=60, quiet=True)
 
 
 HANGING_PARENT = """
