@@ -6,9 +6,14 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: book test venv chromium slurm clean
 
-book: $(STAMP)
+# Chapter 5 (and 6.5, 7's lab runs) builds a cluster in a box: Linux network namespaces, tc and
+# Slurm, which need root. The build says so before it starts, and installs what it needs.
+book: $(STAMP) slurm
+	@echo "make book: chapter 5, 6.5 and chapter 7's lab runs need Linux and root (network namespaces, tc, Slurm)"
 	$(BIN)/python tools/build_book.py
 
+# The tests check the book `make book` builds (_build/book): after `make book` only the tests run;
+# on a fresh clone the build runs beside them.
 test: $(STAMP) chromium slurm
 	$(BIN)/python -m pytest tests
 

@@ -44,10 +44,13 @@ from torch.utils.checkpoint import checkpoint
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.collectives import CollectiveLog
+from dtbook.compare import same_training, training_gap
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
-from dtbook.model import GPT, MODEL_SIZES, Block, without_key_bias
+from dtbook.model import GPT, MODEL_SIZES, Block
 
+# Two optimizer steps per configuration: the control is DDP after the first.
+TRAINED_STEPS = 2
 CONFIGS = ["ddp", "zero1", "fsdp2_full", "fsdp2_grad_op", "fsdp2_root_only", "fsdp2_full_ac", "fsdp2_hybrid",
            "fsdp2_offload", "fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard"]
 HOST = torch.device("cpu")
@@ -220,16 +223,7 @@ def check_offload(row: dict) -> None:
 def full_weights(model) -> dict[str, torch.Tensor]:
     """The whole model's weights on every rank (a collective), for comparing configurations."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return without_key_bias({name: value.detach().cpu().clone() for name, value in state.items()})
-
-
-def same_training(a: dict, b: dict) -> bool:
-    """Chapter 3's tolerance for "the same training": relative 1e-3, absolute 1e-4."""
-    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a)
-
-
-def max_gap(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return {name: value.detach().cpu().clone() for name, value in state.items()}
 
 
 def parse_args() -> argparse.Namespace:
@@ -263,9 +257,10 @@ def main() -> None:
                           "4 or more processes, fsdp2_offload a GPU")
     metrics = open_metrics(args.metrics, backend, device)
     cfg = MODEL_SIZES[args.model]
-    dataset = corpus_windows(2 * world_size * args.batch_size * cfg.context + 1, cfg.vocab_size, cfg.context,
-                             args.seed)
-    batches = first_batches(dataset, args.batch_size, rank, world_size, args.seed, 2, device)
+    dataset = corpus_windows(TRAINED_STEPS * world_size * args.batch_size * cfg.context + 1, cfg.vocab_size,
+                             cfg.context, args.seed)
+    batches = first_batches(dataset, args.batch_size, rank, world_size, args.seed, TRAINED_STEPS,
+                            device)
     reference = GPT(cfg)
     n_params = sum(p.numel() for p in reference.parameters())
     units = {"root": sum(p.numel() for p in [*reference.tok_emb.parameters(), *reference.pos_emb.parameters(),
@@ -283,12 +278,13 @@ def main() -> None:
         if config == "ddp":
             ddp_weights = result["weights"]
             # The control: DDP one optimizer step earlier, a model that must fail the comparison.
-            metrics.write(event="control", max_gap_vs_ddp=max_gap(result["after_one_step"], ddp_weights),
-                          same_as_ddp=same_training(result["after_one_step"], ddp_weights))
+            metrics.write(event="control", steps=TRAINED_STEPS,
+                          gap_vs_ddp=training_gap(result["after_one_step"], ddp_weights),
+                          same_as_ddp=same_training(result["after_one_step"], ddp_weights, TRAINED_STEPS))
         comparison = {}
         if ddp_weights is not None:
-            comparison = {"max_gap_vs_ddp": max_gap(result["weights"], ddp_weights),
-                          "same_as_ddp": same_training(result["weights"], ddp_weights)}
+            comparison = {"gap_vs_ddp": training_gap(result["weights"], ddp_weights),
+                          "same_as_ddp": same_training(result["weights"], ddp_weights, TRAINED_STEPS)}
         rows = [None] * world_size
         dist.all_gather_object(rows, result["row"])
         groups = [None] * world_size

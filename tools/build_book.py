@@ -1,13 +1,16 @@
 """Execute every notebook in _toc.yml with papermill, then build the HTML book.
 
-    python tools/build_book.py                 # the book: default parameters, into _build/book
-    python tools/build_book.py --quick         # the test configuration (QUICK=True), into _build/quick
+    python tools/build_book.py                 # the book, into _build/book
+    python tools/build_book.py --jobs 2        # two notebooks side by side (what `make test` does)
+
+There is one configuration: each notebook runs with the parameters in its first cell, the values a
+reader gets, and the tests check the book this builds (the same folder, the same fingerprints).
 
 Notebook sources in git carry no outputs. Each one is executed into a staging
 copy of the book, with its own folder as the working directory, and Jupyter
 Book builds the HTML from that copy with execution switched off and every
-warning treated as an error. A notebook is executed again only when its source, its
-parameters, the book's library (scripts/dtbook), a companion script it names, or a script
+warning treated as an error. A notebook is executed again only when its source, the
+book's library (scripts/dtbook), a companion script it names, or a script
 it launched the last time it ran has changed.
 """
 
@@ -84,16 +87,15 @@ def notebook_dependencies(notebook: Path, scripts: Path, launched: list[str]) ->
     return sorted(library | named | ran)
 
 
-def fingerprint(notebook: Path, parameters: dict, scripts: Path, launched: list[str]) -> str:
-    """Hash of what an executed notebook depends on: itself, its parameters, the library and its scripts."""
+def fingerprint(notebook: Path, scripts: Path, launched: list[str]) -> str:
+    """Hash of what an executed notebook depends on: itself, the library and its scripts."""
     digest = hashlib.sha256(notebook.read_bytes())
-    digest.update(json.dumps(parameters, sort_keys=True).encode())
     for path in notebook_dependencies(notebook, scripts, launched):
         digest.update(path.relative_to(scripts).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
-def execute(notebook: Path, target: Path, parameters: dict, cell_timeout: int, root: Path) -> None:
+def execute(notebook: Path, target: Path, cell_timeout: int, root: Path) -> None:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -102,7 +104,6 @@ def execute(notebook: Path, target: Path, parameters: dict, cell_timeout: int, r
         papermill.execute_notebook(
             str(notebook),
             str(target),
-            parameters=parameters,
             kernel_name="python3",
             cwd=str(notebook.parent),
             execution_timeout=cell_timeout,
@@ -116,13 +117,13 @@ def execute(notebook: Path, target: Path, parameters: dict, cell_timeout: int, r
             f"{notebook.relative_to(root)}: cell {err.exec_count} raised {err.ename}: {err.evalue.strip()}\n"
             f"  (the executed copy with the traceback is {target})"
         ) from None
-    except Exception as err:  # kernel death, cell timeout, bad parameters
+    except Exception as err:  # kernel death, cell timeout
         message = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise BuildError(f"{notebook.relative_to(root)}: execution failed: {type(err).__name__}: {message}") from None
 
 
 def stage_and_execute(
-    root: Path, out: Path, parameters: dict, cell_timeout: int, force: bool, jobs: int
+    root: Path, out: Path, cell_timeout: int, force: bool, jobs: int
 ) -> list[tuple[str, str, float]]:
     staging = out / "source"
     staging.mkdir(parents=True, exist_ok=True)
@@ -143,7 +144,7 @@ def stage_and_execute(
     for notebook in toc_notebooks(root):
         rel = notebook.relative_to(root).as_posix()
         previous = stamps.get(rel) if isinstance(stamps.get(rel), dict) else {}
-        stamp = fingerprint(notebook, parameters, root / "scripts", previous.get("launched", []))
+        stamp = fingerprint(notebook, root / "scripts", previous.get("launched", []))
         if not force and previous.get("stamp") == stamp and (staging / rel).exists():
             report[rel] = (rel, "skipped (unchanged)", 0.0)
         else:
@@ -157,7 +158,7 @@ def stage_and_execute(
     failure = None
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         running = {pool.submit(execute_recording_launches, notebook, staging / rel_of(notebook, root),
-                               parameters, cell_timeout, root, out): notebook for notebook in pending}
+                               cell_timeout, root, out): notebook for notebook in pending}
         for done in as_completed(running):
             if done.cancelled():
                 continue
@@ -172,7 +173,7 @@ def stage_and_execute(
                 continue
             print(f"executed {rel} in {seconds:.1f} s", flush=True)
             report[rel] = (rel, "executed", seconds)
-            stamps[rel] = {"stamp": fingerprint(notebook, parameters, root / "scripts", launched),
+            stamps[rel] = {"stamp": fingerprint(notebook, root / "scripts", launched),
                            "launched": launched}
             stamps_path.write_text(json.dumps(stamps, indent=1))
     if failure:
@@ -184,8 +185,8 @@ def rel_of(notebook: Path, root: Path) -> str:
     return notebook.relative_to(root).as_posix()
 
 
-def execute_recording_launches(notebook: Path, target: Path, parameters: dict, cell_timeout: int,
-                               root: Path, out: Path) -> tuple[list[str], float]:
+def execute_recording_launches(notebook: Path, target: Path, cell_timeout: int, root: Path,
+                               out: Path) -> tuple[list[str], float]:
     """Execute the notebook (in a worker process of its own); return the scripts (relative to
     scripts/) that it launched, and the seconds it took."""
     log = out / "launches" / (rel_of(notebook, root).replace("/", "__") + ".txt")
@@ -193,7 +194,7 @@ def execute_recording_launches(notebook: Path, target: Path, parameters: dict, c
     log.unlink(missing_ok=True)
     os.environ[LAUNCH_LOG_VARIABLE] = str(log)  # the kernel, and so the launcher, inherit it
     start = time.perf_counter()
-    execute(notebook, target, parameters, cell_timeout, root)
+    execute(notebook, target, cell_timeout, root)
     return (sorted(set(log.read_text().split())) if log.exists() else []), time.perf_counter() - start
 
 
@@ -236,8 +237,7 @@ def print_table(report: list[tuple[str, str, float]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="run notebooks with QUICK=True (the test configuration)")
-    parser.add_argument("--out", type=Path, help="output folder (default: _build/book, or _build/quick with --quick)")
+    parser.add_argument("--out", type=Path, help="output folder (default: _build/book)")
     parser.add_argument("--force", action="store_true", help="re-execute every notebook, changed or not")
     parser.add_argument("--cell-timeout", type=int, default=600, help="seconds one cell may run (default 600)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -246,12 +246,11 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=REPO, help="the book's source folder (default: this repository)")
     args = parser.parse_args()
     root = args.root.resolve()
-    out = (args.out or root / "_build" / ("quick" if args.quick else "book")).resolve()
-    parameters = {"QUICK": True} if args.quick else {}
+    out = (args.out or root / "_build" / "book").resolve()
     try:
         if not (root / "_toc.yml").is_file():
             raise BuildError(f"no _toc.yml in {root}")
-        report = stage_and_execute(root, out, parameters, args.cell_timeout, args.force, args.jobs)
+        report = stage_and_execute(root, out, args.cell_timeout, args.force, args.jobs)
         print_table(report)
         if not args.no_html:
             index = build_html(out)

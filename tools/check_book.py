@@ -11,9 +11,15 @@ from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+OUTPUT_LINES = 25  # what one cell may print: more is a log wall, not a result a reader reads
+
 
 def source_problems(notebook: Path) -> list[str]:
-    """A notebook source must be stripped, parameterised, and use the python3 kernel."""
+    """A notebook source must be stripped, parameterised, and use the python3 kernel.
+
+    There is one configuration, the one the reader runs: no ``QUICK`` switch. The parameter
+    cell and the set-up cell after it are tagged ``hide-input``, so a page opens with the idea.
+    """
     try:
         nb = json.loads(notebook.read_text())
     except (OSError, ValueError) as err:
@@ -23,8 +29,13 @@ def source_problems(notebook: Path) -> list[str]:
     for i, cell in enumerate(code_cells, 1):
         if cell.get("outputs") or cell.get("execution_count") is not None:
             problems.append(f"{notebook}: code cell {i} carries outputs or an execution count (strip it)")
-    if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in code_cells):
-        problems.append(f"{notebook}: no code cell tagged 'parameters'")
+    tags = [c.get("metadata", {}).get("tags", []) for c in code_cells]
+    if not tags or "parameters" not in tags[0]:
+        problems.append(f"{notebook}: the first code cell is not tagged 'parameters'")
+    elif len(tags) < 2 or not all("hide-input" in t for t in tags[:2]):
+        problems.append(f"{notebook}: the parameter cell and the set-up cell after it need 'hide-input'")
+    if any("QUICK" in "".join(c.get("source", "")) for c in nb.get("cells", [])):
+        problems.append(f"{notebook}: mentions QUICK: the book has one configuration, the reader's")
     kernel = nb.get("metadata", {}).get("kernelspec", {}).get("name")
     if kernel != "python3":
         problems.append(f"{notebook}: kernelspec is {kernel!r}, expected 'python3'")
@@ -32,7 +43,7 @@ def source_problems(notebook: Path) -> list[str]:
 
 
 def executed_problems(notebook: Path) -> list[str]:
-    """An executed notebook must not store an error or a traceback in any output.
+    """An executed notebook must not store an error or a traceback, nor print a wall of lines.
 
     Jupyter Book happily renders a stored traceback, so this has to be checked here.
     """
@@ -45,6 +56,10 @@ def executed_problems(notebook: Path) -> list[str]:
                 problems.append(f"{notebook}: code cell {i + 1} stored {out.get('ename')}: {out.get('evalue')}")
             elif "Traceback (most recent call last)" in text:
                 problems.append(f"{notebook}: code cell {i + 1} printed a Python traceback")
+        shown = sum("".join(out.get("text", "")).count("\n") for out in cell.get("outputs", [])
+                    if out.get("output_type") == "stream")
+        if shown > OUTPUT_LINES:
+            problems.append(f"{notebook}: code cell {i + 1} printed {shown} lines (at most {OUTPUT_LINES})")
         if "papermill-error-cell-tag" in cell.get("metadata", {}).get("tags", []) or "papermill-error" in str(
             cell.get("source", "")
         ):

@@ -16,7 +16,8 @@ more. ``GAP_PER_STEP = 1e-4`` sits between them, with room on both sides.
 
 Every comparison that claims "the same training" shows its margin on both sides, and a control
 that must fail: ``compare_training`` asserts that the runs are at least ``MARGIN`` times inside
-the tolerance and the controls at least ``MARGIN`` times outside it.
+the tolerance and the controls at least ``MARGIN`` times outside it (``compare_gaps`` does the
+same for gaps that a script measured and recorded).
 """
 
 from __future__ import annotations
@@ -90,13 +91,22 @@ def compare_training(reference: dict[str, torch.Tensor], runs: dict[str, dict[st
 
     Every run must be the same training as the reference, ``margin`` times inside the tolerance;
     every control (a run that trained differently for a reason) must be ``margin`` times outside.
+    """
+    return compare_gaps({name: training_gap(w, reference) for name, w in runs.items()},
+                        {name: training_gap(w, reference) for name, w in controls.items()}, steps, margin)
+
+
+def compare_gaps(gaps: dict[str, float], control_gaps: dict[str, float], steps: int,
+                 margin: float = MARGIN) -> list[Comparison]:
+    """``compare_training`` for gaps a script measured itself (``training_gap`` against its reference).
+
     At least one control is required: without one a loose tolerance would go unnoticed.
     """
-    if not controls:
-        raise ValueError("compare_training needs a control: a run that must fail the tolerance")
+    if not control_gaps:
+        raise ValueError("a comparison needs a control: a run that must fail the tolerance")
     tolerance = same_training_tolerance(steps)
-    rows = [Comparison(name, training_gap(w, reference), tolerance, False) for name, w in runs.items()]
-    rows += [Comparison(name, training_gap(w, reference), tolerance, True) for name, w in controls.items()]
+    rows = [Comparison(name, gap, tolerance, False) for name, gap in gaps.items()]
+    rows += [Comparison(name, gap, tolerance, True) for name, gap in control_gaps.items()]
     print(f"the same training after {steps} steps: relative L2 gap <= {tolerance:.1e} "
           f"({GAP_PER_STEP:.0e} per step)")
     print(f"{'compared with the reference':<34} {'':<8} {'gap':>9}  {'verdict':<14} margin")

@@ -111,22 +111,3 @@ def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             tensor = torch.cat([tensor[:n_embd], tensor[2 * n_embd:]])
         out[name] = tensor
     return out
-
-
-def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest |a - b| over two state dicts with the same keys, key biases left out."""
-    a, b = without_key_bias(a), without_key_bias(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def same_training(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Whether two runs' final weights are the same training, up to float rounding.
-
-    The book's tolerance for "the same training" (chapters 3 and 4): relative 1e-3, absolute 1e-4,
-    with the key biases left out (see without_key_bias). Adding the same gradients in another order
-    moves a weight by rounding that Adam amplifies to about 1e-5 over a few dozen steps; a run that
-    trained on one different batch moves weights by about the learning rate, 1e-2.
-    """
-    a, b = without_key_bias(a), without_key_bias(b)
-    return a.keys() == b.keys() and all(
-        torch.allclose(a[k].float(), b[k].float(), rtol=1e-3, atol=1e-4) for k in a)

@@ -12,7 +12,7 @@ LIBRARY = SCRIPTS / "dtbook"
 NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli", "reproducibility",
                  "cost_model", "cluster_lab", "slurm_lab", "intervals", "capacity"}
 WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect", "comm_timing", "measure",
-               "timing", "progress", "collectives"}
+               "timing", "progress", "collectives", "compare"}
 SCRIPT_NAMES = {p.stem for p in SCRIPTS.glob("ch*.py")}
 
 

@@ -78,8 +78,8 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def server(quick_book):
-    html = quick_book / "_build" / "html"
+def server(book):
+    html = book / "_build" / "html"
     handler = functools.partial(QuietHandler, directory=str(html))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)

@@ -31,8 +31,8 @@ def test_every_toc_entry_resolves_to_a_file():
     assert unresolved == []
 
 
-def test_every_notebook_executes_without_stored_errors(quick_book):
-    executed = [quick_book / "source" / p.relative_to(REPO) for p in toc_notebooks(REPO)]
+def test_every_notebook_executes_without_stored_errors(book):
+    executed = [book / "source" / p.relative_to(REPO) for p in toc_notebooks(REPO)]
     problems = []
     for path in executed:
         assert path.is_file(), f"{path} was not executed"
@@ -43,13 +43,13 @@ def test_every_notebook_executes_without_stored_errors(quick_book):
     assert problems == []
 
 
-def test_html_has_every_page_and_image(quick_book):
-    html = quick_book / "_build" / "html"
+def test_html_has_every_page_and_image(book):
+    html = book / "_build" / "html"
     assert (html / "index.html").is_file()
     assert html_problems(html, toc_entries(REPO / "_toc.yml")) == []
 
 
-def test_first_program_page_shows_its_executed_output(quick_book):
-    page = (quick_book / "_build" / "html" / "notebooks/ch2_first_steps/01_first_distributed_program.html").read_text()
+def test_first_program_page_shows_its_executed_output(book):
+    page = (book / "_build" / "html" / "notebooks/ch2_first_steps/01_first_distributed_program.html").read_text()
     assert "all_reduce result on every rank" in page  # printed by an executed cell, not typed in the prose
     assert "ran on: gloo" in page or "ran on: nccl" in page  # the provenance line under the run

@@ -17,8 +17,9 @@ KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "languag
 def write_notebook(path, *code, kernel=KERNEL, parameters=True):
     cells = [new_markdown_cell("# A page")]
     if parameters:
-        cells.append(new_code_cell("QUICK = False", metadata={"tags": ["parameters"]}))
-    cells += [new_code_cell(c) for c in code]
+        cells.append(new_code_cell("STEPS = 10", metadata={"tags": ["parameters", "hide-input"]}))
+    cells += [new_code_cell(c, metadata={"tags": ["hide-input"]} if i == 0 else {})
+              for i, c in enumerate(code)]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(new_notebook(cells=cells, metadata=kernel), str(path))
     return path
@@ -46,6 +47,17 @@ def test_source_check_rejects_missing_parameters_cell_and_wrong_kernel(tmp_path)
     assert any("kernelspec" in p for p in problems)
 
 
+def test_source_check_rejects_a_second_configuration_and_shown_set_up(tmp_path):
+    """One configuration (no QUICK); the parameter and set-up cells' code is hidden."""
+    path = write_notebook(tmp_path / "quick.ipynb", "MODEL = 'tiny' if QUICK else 'small'")
+    assert any("QUICK" in p for p in source_problems(path))
+    path = write_notebook(tmp_path / "shown.ipynb", "import torch")
+    nb = nbformat.read(str(path), as_version=4)
+    nb.cells[2].metadata = {}
+    nbformat.write(nb, str(path))
+    assert any("hide-input" in p for p in source_problems(path))
+
+
 # --- executed-output checks -----------------------------------------------------------------
 
 def test_executed_check_finds_stored_errors_and_tracebacks(tmp_path):
@@ -58,6 +70,15 @@ def test_executed_check_finds_stored_errors_and_tracebacks(tmp_path):
     problems = executed_problems(path)
     assert len(problems) == 2
     assert "ZeroDivisionError" in problems[0] and "traceback" in problems[1]
+
+
+def test_executed_check_finds_a_wall_of_output(tmp_path):
+    path = write_notebook(tmp_path / "wall.ipynb", "for i in range(26): print(i)", "print('ok')")
+    nb = nbformat.read(str(path), as_version=4)
+    nb.cells[-2].outputs = [new_output("stream", name="stdout", text="".join(f"{i}\n" for i in range(26)))]
+    nb.cells[-1].outputs = [new_output("stream", name="stdout", text="".join(f"{i}\n" for i in range(25)))]
+    nbformat.write(nb, str(path))
+    assert [p for p in executed_problems(path) if "26 lines" in p] and len(executed_problems(path)) == 1
 
 
 # --- HTML checks ----------------------------------------------------------------------------
