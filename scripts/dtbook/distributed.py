@@ -98,6 +98,15 @@ def start_single_device(requested: str = "auto") -> tuple[str, torch.device]:
     return start_process_group(requested)
 
 
+def require_gpu_for(model: str, device: torch.device) -> None:
+    """Refuse a GPU-only model size (dtbook.model.GPU_ONLY_SIZES) on the CPU, in one line."""
+    from dtbook.model import GPU_ONLY_SIZES
+
+    if model in GPU_ONLY_SIZES and device.type != "cuda":
+        raise ScriptError(f"--model {model} is a GPU size: a step on this CPU would take minutes; "
+                          "run it on a CUDA machine, or pick tiny, small, medium or large")
+
+
 def drain_gloo_workers(seconds: float = 0.25) -> None:
     """Call right before ``dist.destroy_process_group()``: it avoids a hang at exit with gloo.
 

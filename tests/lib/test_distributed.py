@@ -10,6 +10,7 @@ from dtbook.cli import ScriptError
 from dtbook.distributed import (
     choose_backend,
     ddp_device_ids,
+    require_gpu_for,
     start_process_group,
     use_single_process_defaults,
 )
@@ -109,3 +110,10 @@ def test_a_launchers_variables_are_left_alone(monkeypatch):
 def test_ddp_device_ids_are_none_on_the_cpu():
     assert ddp_device_ids(torch.device("cpu")) is None
     assert ddp_device_ids(torch.device("cuda", 1)) == [1]
+
+
+def test_a_gpu_size_is_refused_on_the_cpu_and_accepted_on_a_gpu():
+    with pytest.raises(ScriptError, match="--model gpt2-small is a GPU size"):
+        require_gpu_for("gpt2-small", torch.device("cpu"))
+    require_gpu_for("gpt2-small", torch.device("cuda", 0))
+    require_gpu_for("large", torch.device("cpu"))
