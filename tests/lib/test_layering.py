@@ -9,7 +9,7 @@ import pytest
 from support import SCRIPTS
 
 LIBRARY = SCRIPTS / "dtbook"
-NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli", "reproducibility",
+NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli", "reproducibility", "gpu_report",
                  "cost_model", "cluster_lab", "slurm_lab", "intervals", "capacity"}
 WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect", "comm_timing", "measure",
                "timing", "progress", "collectives", "compare"}
