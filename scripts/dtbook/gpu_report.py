@@ -13,6 +13,7 @@ import json
 import re
 import statistics
 from dataclasses import dataclass, field
+from html import escape
 from pathlib import Path
 
 from dtbook.metrics import read_metrics
@@ -30,6 +31,18 @@ class Table:
     header: list[str]
     rows: list[list[str]] = field(default_factory=list)
     note: str = ""
+
+    def html(self) -> str:
+        """The table as HTML, which a notebook's output shows as a table in the built book."""
+        def cells(tag, values):
+            return "<tr>" + "".join(f"<{tag}>{escape(v)}</{tag}>" for v in values) + "</tr>"
+        body = "".join(cells("td", row) for row in self.rows)
+        note = f"<p><em>{escape(self.note.replace('**', ''))}</em></p>" if self.note else ""
+        return (f"<p><strong>{escape(self.title)}</strong></p><table><thead>"
+                f"{cells('th', self.header)}</thead><tbody>{body}</tbody></table>{note}")
+
+    def measured(self) -> bool:
+        return bool(self.rows) and not self.rows[0][0].startswith("not measured")
 
     def markdown(self) -> str:
         lines = [f"**{self.title}**", "", "| " + " | ".join(self.header) + " |",
@@ -254,6 +267,31 @@ def not_measured_if_empty(table: Table, run: Measured) -> Table:
     if not table.rows:
         why = NEEDS_TWO_GPUS if run.provenance["gpu_count"] < 2 else "not measured: its run failed"
         table.rows.append([why] + [""] * (len(table.header) - 1))
+    return table
+
+
+def runs_table(run: Measured) -> Table:
+    """Every command of the run and how it ended: runs.jsonl, or the older console log's lines."""
+    table = Table("the runs", ["run", "exit status", "seconds"])
+    for r in run.records("runs", "run"):
+        table.rows.append([r["name"], str(r["status"]), f"{r['seconds']:.1f}"])
+    if not table.rows:
+        for name, status, seconds in re.findall(r"^=== (\S+) rc=(\d+) ([\d.]+)s$",
+                                                run.logs.get("book_scripts", ""), re.M):
+            if name != "env":
+                table.rows.append([name, status, seconds])
+    return table
+
+
+def coverage(run: Measured) -> Table:
+    """Which tables this run filled, and why the others are empty."""
+    table = Table(f"what {run.folder.name} measured", ["table", "status"])
+    for make in ONE_GPU + SEVERAL_GPUS:
+        made = make(run)
+        status = "measured" if made.measured() else made.rows[0][0] if made.rows else "no data"
+        if "**not measured**" in made.note:
+            status = "partly: " + made.note.split(". ")[-1].replace("**", "")
+        table.rows.append([made.title, status])
     return table
 
 
