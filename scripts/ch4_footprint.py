@@ -59,14 +59,16 @@ FSDP1_STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "grad_op": ShardingStra
 
 
 class LiveMemory(TorchDispatchMode):
-    """Bytes held on ``device`` by tensors allocated while active: now, and the peak since reset_peak.
+    """Bytes held on ``device`` by tensors allocated while active: now, and the
+    peak since reset_peak.
 
-    Only storages on the training device count: with CPU offload on a GPU, the shards in host
-    memory are what left the device (on an H100 they once counted as device memory, and the
-    offloaded run's peak equalled full sharding's). Each operator's outputs are registered by
-    their storage; a weak reference drops a storage when it is freed. FSDP frees and
-    re-allocates gathered parameters by resizing their storage, without an operator, so the
-    total is re-read after every operator rather than kept as a running sum.
+    Only storages on the training device count: with CPU offload on a GPU, the
+    shards in host memory are what left the device (on an H100 they once counted
+    as device memory, and offload's peak equalled full sharding's). Each
+    operator's outputs are registered by their storage; a weak reference drops a
+    storage when it is freed. FSDP frees and re-allocates gathered parameters by
+    resizing their storage, without an operator, so the total is re-read after
+    every operator rather than kept as a running sum.
     """
 
     def __init__(self, device: torch.device):
@@ -186,14 +188,16 @@ def measure(config: str, cfg, device, batches, args) -> dict:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         on_gpu = device.type == "cuda"
-        state = {"params": list(model.parameters()), "optimizer": optimizer_moments(optimizer)}
+        state = {"params": list(model.parameters()),
+                 "optimizer": optimizer_moments(optimizer)}
         row = {"rank": dist.get_rank(),
                "params": storage_bytes(state["params"], device),
                "grads": grads[device],
                "optimizer": storage_bytes(state["optimizer"], device),
-               # what lives in host memory, apart from the device's: CPU offload's shards
+               # in host memory, apart from the device's: CPU offload's shards
                "host": None if device == HOST else {
-                   "params": storage_bytes(state["params"], HOST), "grads": grads[HOST],
+                   "params": storage_bytes(state["params"], HOST),
+                   "grads": grads[HOST],
                    "optimizer": storage_bytes(state["optimizer"], HOST)},
                "at_rest": memory.live(),
                "peak_step": memory.peak,
