@@ -143,16 +143,18 @@ def snapshot_table(run: Measured) -> Table:
     curve = event.get("allocated", [])
     if curve:
         table.rows.append(["peak allocated during the step (memory_viz curve)", mib(max(curve))])
-    if "segments" in event:
-        summary = {k: event[k] for k in ("segments", "reserved", "allocated", "free")}
-        summary = {k: (str(v) if k == "segments" else mib(v)) for k, v in summary.items()}
-    else:
+    if "segments" in event:  # ch1_memory.py's segment_totals: blocks at their rounded sizes
+        source = "allocator segments"
+        summary = {"segments": str(event["segments"])}
+        summary |= {k: mib(event[f"{k}_bytes"]) for k in ("reserved", "allocated", "free")}
+    else:  # older runs: segsum's lines in the console log
+        source = "segsum"
         found = re.findall(r"^(segments|total_reserved|total_allocated|total_free): (.+)$",
                            run.logs.get("book_scripts", ""), re.M)
         summary = {k.removeprefix("total_"): v for k, v in found}
     for key in ("segments", "reserved", "allocated", "free"):
         if key in summary:
-            table.rows.append([f"{key} (segsum)", summary[key]])
+            table.rows.append([f"{key} ({source})", summary[key]])
     return table
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from dtbook import gpu_report
-from support import REPO, run_python
+from support import REPO, load_script, run_python
 
 H100 = REPO / "notebooks" / "appendix" / "gpu_measurements" / "h100_2026-11-26"
 
@@ -86,3 +86,29 @@ def test_the_script_refuses_a_machine_without_cuda_in_one_line():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert done.stderr.startswith("error: no CUDA GPU here")
+
+
+def test_a_snapshot_summary_recorded_in_the_metrics_is_preferred_to_the_log(h100):
+    event = {"event": "cuda_snapshot", "allocated": [1 << 20, 3 << 20], "segments": 2,
+             "reserved_bytes": 4 << 20, "allocated_bytes": 3 << 20, "free_bytes": 1 << 20}
+    run = gpu_report.Measured(H100, h100.provenance, {"ch1_memory": [event]}, h100.logs)
+    rows = dict(gpu_report.snapshot_table(run).rows)
+    assert rows["segments (allocator segments)"] == "2"
+    assert rows["free (allocator segments)"] == "1.00 MiB"
+    assert rows["peak allocated during the step (memory_viz curve)"] == "3.00 MiB"
+    assert "segments (segsum)" not in rows
+
+
+def test_the_gpu_scripts_plan_mfu_peaks_and_launch_lines():
+    script = load_script("gpu_results.py")
+    assert script.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert script.peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's peak
+    assert script.peak_flops("Tesla T4") is None  # no peak known: MFU left out, not guessed
+    plan = {name: processes for name, _, processes, _ in script.one_gpu_runs(H100, 1)}
+    assert plan["ch1_memory"] == 0 and plan["ch4_footprint"] == 1  # python, torchrun on 1 GPU
+    several = script.several_gpu_runs(4)
+    assert {name for name, *_ in several} == {"ch2_bandwidth", "ch3_overlap", "ch4_fsdp_multi"}
+    assert all(processes == 4 and "nccl" in args for _, args, processes, _ in several)
+    line = script.command(["ch3_train.py", "--max-steps", 40], 2, H100 / "m.jsonl")
+    assert line[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert line[-4:] == ["--max-steps", "40", "--metrics", str(H100 / "m.jsonl")]
