@@ -56,13 +56,13 @@ def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(t
     assert (model.alpha_s, model.beta_s_per_byte) == (fit["alpha_s"], fit["beta_s_per_byte"])
     for r in rows:  # every row printed once, with its time and the model's prediction
         size = format_bytes(r["nbytes"])
-        line = re.search(rf"^{r['collective']}\s+{size}\s+(\S+)\s+\S+\s+\S+\s+(\S+)$", done.stdout, re.M)
-        assert line, f"no table row for {r['collective']} {size}:\n{done.stdout}"
+        line = re.search(rf"^{r['collective']}\s+{size}\s+(\S+)\s+\S+\s+\S+\s+(\S+)$", done.output, re.M)
+        assert line, f"no table row for {r['collective']} {size}:\n{done.output}"
         printed_time, printed_model = float(line.group(1)), float(line.group(2))
         assert printed_time == pytest.approx(r["seconds"] * 1e6, abs=0.051)  # printed to 0.1 us
         predicted = model.predict(r["nbytes"], 2, r["collective"]) * 1e6
         assert printed_model == pytest.approx(predicted, abs=0.051)
-    assert "memory copy:" in done.stdout and "alpha-beta fit to all_reduce:" in done.stdout
+    assert "memory copy:" in done.output and "alpha-beta fit to all_reduce:" in done.output
 
 
 def measured(row: dict) -> Measurement:

@@ -78,14 +78,14 @@ def test_the_script_renders_a_recorded_folder_without_a_gpu(tmp_path):
     shutil.copytree(H100, folder)
     done = run_python("gpu_results.py", "--render", folder, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
     assert (folder / "tables.md").read_text() == gpu_report.render(gpu_report.load(H100))
-    assert "| gpt2-small (124.5 M) | 16 × 1024 | bf16+compile | 35.9 |" in done.stdout
+    assert "| gpt2-small (124.5 M) | 16 × 1024 | bf16+compile | 35.9 |" in done.output
 
 
 def test_the_script_refuses_a_machine_without_cuda_in_one_line():
     done = run_python("gpu_results.py", env={"CUDA_VISIBLE_DEVICES": ""}, check=False, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
-    assert done.stderr.startswith("error: no CUDA GPU here")
+    assert done.output.strip().splitlines() == [done.output.strip()]  # one line
+    assert done.output.startswith("error: no CUDA GPU here")
 
 
 def test_a_snapshot_summary_recorded_in_the_metrics_is_preferred_to_the_log(h100):
