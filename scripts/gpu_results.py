@@ -196,9 +196,17 @@ def git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
+def driver_version() -> str:
+    """The NVIDIA driver's version, from nvidia-smi (absent in some containers: "unknown")."""
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return smi.stdout.split("\n")[0].strip() if smi.returncode == 0 else "unknown"
+
+
 def provenance() -> dict:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True)
     commit = git("rev-parse", "--short", "HEAD")
     if git("status", "--porcelain", "--untracked-files=no"):
         commit += " (with uncommitted changes)"
@@ -207,7 +215,7 @@ def provenance() -> dict:
     except importlib.metadata.PackageNotFoundError:
         lightning = None
     return {"gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count(),
-            "driver": smi.stdout.split("\n")[0].strip() if smi.returncode == 0 else "unknown",
+            "driver": driver_version(),
             "cuda": torch.version.cuda, "torch": torch.__version__, "lightning": lightning,
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(), "commit": commit,

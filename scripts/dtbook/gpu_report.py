@@ -107,9 +107,9 @@ def precision_table(run: Measured) -> Table:
     table = Table("fp32, TF32, bf16 and torch.compile: one training step (AdamW)",
                   ["model", "batch × context", "mode", "ms/step", "tokens/s", "MFU", "peak memory"])
     for r in precision_records(run):
-        size = f"{r['model']} ({r['params'] / 1e6:.1f} M)"
-        if "error" in r:
-            table.rows.append([size, "", r["mode"], f"failed: {r['error'][:60]}", "", "", ""])
+        size = f"{r['model']} ({r['params'] / 1e6:.1f} M)" if "params" in r else r["model"]
+        if "error" in r:  # out of memory, or skipped when the time budget was spent
+            table.rows.append([size, "", r["mode"], r["error"][:60], "", "", ""])
             continue
         table.rows.append([size, f"{r['batch']} × {r['ctx']}", r["mode"], f"{r['step_ms']:.1f}",
                            f"{r['tokens_per_s']:,}", f"{r['mfu_bf16_peak']:.1%}",

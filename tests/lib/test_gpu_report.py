@@ -5,10 +5,13 @@ Nothing here needs a GPU; with one, the refusal is checked with the GPUs hidden.
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 
 from dtbook import gpu_report
+from dtbook.metrics import read_metrics
 from support import REPO, load_script, run_python
 
 H100 = REPO / "notebooks" / "appendix" / "gpu_measurements" / "h100_2026-11-26"
@@ -112,3 +115,55 @@ def test_the_gpu_scripts_plan_mfu_peaks_and_launch_lines():
     line = script.command(["ch3_train.py", "--max-steps", 40], 2, H100 / "m.jsonl")
     assert line[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert line[-4:] == ["--max-steps", "40", "--metrics", str(H100 / "m.jsonl")]
+
+
+@pytest.fixture
+def pretend_h100(monkeypatch):
+    """gpu_results.py on pretend CUDA: each run 'writes' the H100's recorded file of its name."""
+    script = load_script("gpu_results.py")
+    cuda = script.torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    probe = {(r["model"], r["mode"]): r for r in gpu_report.probe_records((H100 / "gpt_scale.log").read_text())}
+    monkeypatch.setattr(script, "precision_step", lambda size, batch, mode: {
+        k: v for k, v in probe[size, mode].items() if k != "event"})
+
+    def replay(argv, cap_s, log):
+        metrics = Path(argv[argv.index("--metrics") + 1])
+        recorded = H100 / metrics.name
+        if recorded.exists():
+            shutil.copy(recorded, metrics)
+        return 0, 1.0
+
+    monkeypatch.setattr(script, "run_capped", replay)
+    return script
+
+
+def test_a_run_writes_a_folder_that_renders_as_the_recorded_one(pretend_h100, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["gpu_results.py", "--out", str(out)])
+    pretend_h100.main()
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert (provenance["gpu"], provenance["gpu_count"]) == ("NVIDIA H100 80GB HBM3", 1)
+    assert {"driver", "torch", "date", "commit"} <= provenance.keys()
+    runs = [r for r in read_metrics(out / "runs.jsonl") if r["event"] == "run"]
+    assert [r["status"] for r in runs] == [0] * 9  # one GPU: no multi-GPU runs planned
+    made, recorded = gpu_report.load(out), gpu_report.load(H100)
+    for table in gpu_report.ONE_GPU:
+        if table is not gpu_report.snapshot_table:  # its totals were in the old run's log only
+            assert table(made).rows == table(recorded).rows, table.__name__
+    assert gpu_report.snapshot_table(made).rows[0] == gpu_report.snapshot_table(recorded).rows[0]
+    assert (out / "tables.md").read_text() == gpu_report.render(made)
+
+
+def test_a_spent_budget_skips_runs_and_says_so(pretend_h100, tmp_path, monkeypatch):
+    clock = iter(range(0, 10**6, 100))  # every look at the clock: 100 s later
+    monkeypatch.setattr(pretend_h100.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(sys, "argv", ["gpu_results.py", "--out", str(tmp_path / "run"), "--budget-s", "450"])
+    pretend_h100.main()
+    statuses = [r["status"] for r in read_metrics(tmp_path / "run" / "runs.jsonl")]
+    skipped = [r for r in read_metrics(tmp_path / "run" / "precision.jsonl") if "error" in r]
+    assert "skipped: budget spent" in statuses and skipped
+    rendered = gpu_report.precision_table(gpu_report.load(tmp_path / "run")).rows
+    assert rendered[-1][3] == "skipped: budget spent"
