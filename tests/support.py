@@ -12,15 +12,16 @@ from dtbook.paths import SCRIPTS_DIR as SCRIPTS
 
 
 def run_torchrun(script: str, *args, nproc: int = 2, timeout: float = 300, env: dict | None = None,
-                 check: bool = True) -> RunResult:
+                 check: bool = True, torchrun_args: tuple = ()) -> RunResult:
     """``torchrun --standalone --nproc_per_node=N scripts/<script> args...`` through the notebooks' launcher.
 
     Quiet (the output is in ``.output``, stdout and stderr together), one thread per process, no
-    ``--metrics`` added; ``env`` values of None unset a variable. With ``check`` a failed run
-    fails the test with its output.
+    ``--metrics`` added; ``env`` values of None unset a variable; ``torchrun_args`` go to torchrun
+    after the two above. With ``check`` a failed run fails the test with its output.
     """
+    launcher = ["--standalone", f"--nproc_per_node={nproc}", *map(str, torchrun_args)]
     done = launch_torchrun(script, args, nproc=nproc, timeout=timeout, env=env, metrics=False, check=False,
-                           quiet=True, threads_per_process=1)
+                           quiet=True, threads_per_process=1, torchrun_args=launcher)
     return _checked(done, check)
 
 

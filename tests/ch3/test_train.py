@@ -149,8 +149,14 @@ def test_unreadable_checkpoints_are_one_line_in_a_real_run(corrupt_only_dir):
 
 
 def test_every_rank_reports_its_error():
-    """Under torchrun each failing rank prints its own one-line error, prefixed with its rank."""
-    done = run_torchrun(SCRIPT, "--model", "tiny", "--corpus-tokens", "500", check=False)
+    """Under torchrun each failing rank prints its own one-line error, prefixed with its rank.
+
+    torchrun stops the other workers at the first check after one fails (every 0.1 s by default):
+    a rank that starts later, as one can on a GPU machine where each process initialises CUDA,
+    would be killed before it prints. A longer interval lets both finish failing on their own.
+    """
+    done = run_torchrun(SCRIPT, "--model", "tiny", "--corpus-tokens", "500", check=False,
+                        torchrun_args=("--monitor-interval", 3))
     assert done.returncode != 0
     errors = [line for line in done.output.splitlines() if "error: one optimizer step needs" in line]
     assert sorted(line.split("]")[0] for line in errors) == ["[rank 0", "[rank 1"]

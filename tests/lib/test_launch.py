@@ -13,8 +13,9 @@ from dtbook.paths import RUNS_DIR
 # --- the launcher ---------------------------------------------------------------------------
 
 def test_launcher_raises_on_a_failed_run():
+    # A backend no machine has: --backend nccl failed only without a GPU, and ran on one.
     with pytest.raises(RuntimeError, match="exited with status"):
-        launch_torchrun("ch2_hello_distributed.py", ["--backend", "nccl"], nproc=1, timeout=60, quiet=True)
+        launch_torchrun("ch2_hello_distributed.py", ["--backend", "mpi"], nproc=1, timeout=60, quiet=True)
 
 
 def test_the_shown_command_is_the_one_a_reader_types_and_stream_false_keeps_the_output(capsys):
