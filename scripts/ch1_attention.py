@@ -168,24 +168,41 @@ def main() -> None:
     print(f"attention of the {args.model} model: {cfg.n_head} heads of size {cfg.n_embd // cfg.n_head}, "
           f"batch {args.batch_size}, on {device}")
 
-    for row in compare(args, device):
-        metrics.write(event="equality", **row)
-        verdict = "within" if row["max_abs_difference"] <= row["tolerance"] else "OUTSIDE"
-        print(f"  {row['implementation']:<24} {row['tensor']:<6} max |diff| {row['max_abs_difference']:.2e} "
-              f"{verdict} tolerance {row['tolerance']:.2e}")
+    # One line per comparison, one row per length, one line per dtype: a page-sized table.
+    rows = compare(args, device)
+    for name in dict.fromkeys(row["implementation"] for row in rows):
+        mine = [row for row in rows if row["implementation"] == name]
+        for row in mine:
+            metrics.write(event="equality", **row)
+        inside = all(row["max_abs_difference"] <= row["tolerance"] for row in mine)
+        print(f"  {name:<24} max |diff| / tolerance: " + ", ".join(
+            f"{row['tensor']} {row['max_abs_difference'] / row['tolerance']:.1e}" for row in mine)
+            + (" (all within)" if inside else " (OUTSIDE)"))
 
-    print(f"\n{'seq':>6} {'implementation':<20} {'saved for backward':>19} {'fwd+bwd ms':>11}")
+    names = list(IMPLEMENTATIONS)
+    print(f"\n{'seq':>6} {'saved for backward, MiB':>26} {'fwd+bwd ms':>24}   ({' / '.join(names)})")
+    by_seq: dict[int, list[dict]] = {}
     for row in sweep(args, device):
         metrics.write(event="sweep", **row)
-        print(f"{row['seq_len']:>6} {row['implementation']:<20} {row['saved_bytes'] / 2**20:>15.2f} MiB "
-              f"{row['ms']:>11.2f}")
+        by_seq.setdefault(row["seq_len"], []).append(row)
+    for seq_len, mine in by_seq.items():
+        saved = " / ".join(f"{r['saved_bytes'] / 2**20:.2f}" for r in mine)
+        ms = " / ".join(f"{r['ms']:.1f}" for r in mine)
+        print(f"{seq_len:>6} {saved:>26} {ms:>24}")
 
     print("\nSDPA backends on this device, each forced with sdpa_kernel:")
+    by_dtype: dict[str, list[dict]] = {}
     for row in backends(args, device):
         metrics.write(event="backend", **row)
-        if row["backend"] == BACKENDS[0]:
-            print(f"  {row['dtype']}: left to choose, SDPA ran {', '.join(row['default_kernel'])}")
-        print(f"    {row['backend']:<20} {'works' if row['works'] else row['problem'][:80]}")
+        by_dtype.setdefault(row["dtype"], []).append(row)
+    for dtype, mine in by_dtype.items():
+        works = ", ".join(r["backend"] for r in mine if r["works"])
+        fails = {r["backend"]: r["problem"][:60] for r in mine if not r["works"]}
+        print(f"  {dtype}: left to choose, SDPA ran {', '.join(mine[0]['default_kernel'])}; "
+              f"forced, {works} work")
+        for problem in dict.fromkeys(fails.values()):
+            names = ", ".join(b for b, p in fails.items() if p == problem)
+            print(f"    {names} fail: {problem}")
     metrics.close()
     drain_gloo_workers()
     dist.destroy_process_group()

@@ -170,7 +170,12 @@ DEMOS = [broadcast, reduce, all_reduce_sum, all_reduce_avg, all_reduce_max, gath
 # --- what a backend may lack, and the fallback ----------------------------------------------
 
 def premul_sum(rank, world, device):
-    """FSDP divides gradients by the world size inside the reduction, with PREMUL_SUM."""
+    """A sum that pre-scales each input: FSDP2 uses it for a custom gradient divide factor.
+
+    (torch 2.13's _get_gradient_divide_factors: AVG for fp32 and bf16, PREMUL_SUM only when
+    set_gradient_divide_factor differs from the group's size, SUM with ~sqrt(N) pre- and
+    post-division for fp16.)
+    """
     x = values(rank, 2, device)
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(1 / world))  # private: FSDP's own op
     return x.tolist()

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import add_backend_and_metrics, positive_int, run_main, script_parser
+from dtbook.compare import training_gap
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES, without_key_bias
@@ -254,6 +255,14 @@ def compare(dtype: torch.dtype, start: GPT, batches, args, metrics, device) -> N
                   "gap_minimal_fully_shard": weight_gap(weights["minimal"], weights["fully_shard"]),
                   "gap_fully_shard_ddp": weight_gap(weights["fully_shard"], weights["ddp"]),
                   "gap_control_ddp": weight_gap(weights["control"], weights["ddp"]),
+                  # The relative L2 gap of dtbook.compare: after one Adam step every entry has
+                  # moved by about lr, so the largest difference of any two runs is about 2 lr;
+                  # the L2 gap counts how many entries moved differently, which tells them apart.
+                  "relative": {pair: training_gap(weights[a], weights[b]) for pair, (a, b) in
+                               {"minimal_ddp": ("minimal", "ddp"),
+                                "minimal_fully_shard": ("minimal", "fully_shard"),
+                                "fully_shard_ddp": ("fully_shard", "ddp"),
+                                "control_ddp": ("control", "ddp")}.items()},
                   "frozen_unchanged": torch.equal(weights["minimal"]["pos_emb.weight"], start.pos_emb.weight),
                   "tied_equal": torch.equal(weights["minimal"]["head.weight"], weights["minimal"]["tok_emb.weight"]),
                   "max_abs_weight": max(t.abs().max().item() for t in weights["ddp"].values()),
@@ -261,9 +270,10 @@ def compare(dtype: torch.dtype, start: GPT, batches, args, metrics, device) -> N
                   "gathered_bytes_after_step": sum(g.gathered_bytes() for g in minimal.all_groups())}
         metrics.write(event="step", **record)
         if dist.get_rank() == 0:
-            print(f"{name} step {step}: max |w_minimal - w_ddp| = {record['gap_minimal_ddp']:.3g}, "
-                  f"|w_minimal - w_fully_shard| = {record['gap_minimal_fully_shard']:.3g}, "
-                  f"control |w_other_batch - w_ddp| = {record['gap_control_ddp']:.3g}")
+            gap = record["relative"]
+            print(f"{name} step {step}: relative L2 gap minimal-DDP {gap['minimal_ddp']:.2e}, "
+                  f"minimal-fully_shard {gap['minimal_fully_shard']:.2e}, "
+                  f"control (other batch)-DDP {gap['control_ddp']:.2e}")
     groups = minimal.all_groups()
     metrics.write(event="memory", dtype=name,
                   full_gathered_bytes=sum(g.full.numel() * g.full.element_size() for g in groups),

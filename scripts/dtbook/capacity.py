@@ -13,9 +13,19 @@ Memory per rank, for a model of ``params`` parameters on N ranks (ZeRO, Rajbhand
     zero2      w         g / N       k / N
     zero3      w / N     g / N       k / N          (FSDP's full sharding)
 
-times ``params``, with (w, g, k) bytes per parameter from a ``Recipe``: fp32 AdamW
-(4, 4, 8), as chapter 4 measured, or bf16 mixed-precision AdamW (2, 2, 12: an fp32 master
-copy of the weights and AdamW's two fp32 moments). Both come to 16 bytes per parameter.
+times ``params``, with (w, g, k) bytes per parameter from a ``Recipe``. Two recipes train
+the same mixed-precision model and both come to 16 bytes per parameter; they split them
+differently, which matters for every stage that shards some of the three and not others:
+
+    FP32_ADAMW         (4, 4, 8)   PyTorch's AMP, the book's recipe (chapter 3.5): autocast
+                                   keeps fp32 weights, DDP all-reduces fp32 gradients, FSDP2
+                                   with reduce_dtype=fp32 keeps fp32 shards of both
+    BF16_MIXED_ADAMW   (2, 2, 12)  the ZeRO paper's and DeepSpeed's: bf16 weights and
+                                   gradients, an fp32 master copy in the optimizer state
+
+The gradients' bytes are also what data parallelism sends, so the recipe moves the
+communication-bound point too. (ZeRO-3 gathers ``w`` bytes per weight: FSDP2 with
+param_dtype=bf16 gathers 2 even under the book's recipe, so its ZeRO-3 figure is an upper bound.)
 
 Time of a data-parallel step: 6 FLOPs per weight per token (a multiply-add is 2 FLOPs, the
 backward pass costs twice the forward) plus 12 * layers * context * width per token for the
@@ -51,8 +61,9 @@ class Recipe:
         return self.weights + self.grads + self.optimizer
 
 
-FP32_ADAMW = Recipe("fp32 AdamW", 4, 4, 8)
-BF16_MIXED_ADAMW = Recipe("bf16 mixed-precision AdamW", 2, 2, 12)
+FP32_ADAMW = Recipe("PyTorch AMP (fp32 weights, grads)", 4, 4, 8)
+BF16_MIXED_ADAMW = Recipe("ZeRO paper (bf16 weights, grads)", 2, 2, 12)
+RECIPES = (FP32_ADAMW, BF16_MIXED_ADAMW)
 
 
 def state_bytes_per_rank(strategy: str, params: float, world_size: int,

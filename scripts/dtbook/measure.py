@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
@@ -108,6 +110,39 @@ class AtenOps(TorchDispatchMode):
 
     def names(self) -> set[str]:
         return {name for name, _ in self.calls}
+
+
+class LiveStoragePeak(TorchDispatchMode):
+    """The most bytes of storage that the ops run inside it held alive at once.
+
+        with LiveStoragePeak() as live:
+            model(x, y).backward()
+        live.peak_bytes
+
+    A second, independent way to measure a step's peak: every ATen op's outputs are
+    recorded with a weak reference to their storage, and a storage counts from the op
+    that created it until its last tensor dies. Tensors made before the mode entered
+    (the parameters) are not counted, nor a kernel's scratch memory. It shares no code
+    with MemTracker, so a figure both report is not an artifact of either.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Drop what died since the last op; the weak reference keeps the key unique.
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref.cdata not in self.live:
+                    self.live[ref.cdata] = (ref, tensor.untyped_storage().nbytes())
+        now = sum(size for _, size in self.live.values())
+        self.peak_bytes = max(self.peak_bytes, now)
+        return out
 
 
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1) -> float:

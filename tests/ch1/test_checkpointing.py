@@ -4,7 +4,9 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+from dtbook.measure import LiveStoragePeak
 from dtbook.model import GPT, MODEL_SIZES
 
 # Recomputation repeats the same ops on the same inputs, so on a CPU the gradients come out bit for
@@ -49,3 +51,21 @@ def test_recomputing_without_the_rng_state_gives_wrong_gradients(checkpointing, 
     reference = gradients(checkpointing.with_strategy(model, "none", 2), x, y)
     control = checkpointing.with_strategy(model, "every block", 2, preserve_rng_state=False)
     assert relative_difference(gradients(control, x, y), reference) > 1000 * TOLERANCE
+
+
+def test_every_block_has_the_lowest_peak_by_two_independent_measurements(checkpointing, setup):
+    """Memory is measured apart from FlopCounterMode, whose module hooks keep recomputed
+    activations alive: the control measures under both and must lose the saving."""
+    model, x, y = setup
+    cpu = torch.device("cpu")
+    peaks = {}
+    for strategy in ("none", "every block"):
+        variant = checkpointing.with_strategy(model, strategy, 2)
+        live = LiveStoragePeak()
+        checkpointing.one_step(variant, x, y, 0, live)
+        peaks[strategy] = (checkpointing.memory_pass(variant, x, y, 0, cpu)["peak_bytes"],
+                           live.peak_bytes)
+    assert all(a < b for a, b in zip(peaks["every block"], peaks["none"], strict=True))
+    variant = checkpointing.with_strategy(model, "every block", 2)
+    under_counter = checkpointing.memory_pass(variant, x, y, 0, cpu, FlopCounterMode(display=False))
+    assert under_counter["peak_bytes"] > peaks["every block"][0]
