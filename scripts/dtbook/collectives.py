@@ -34,6 +34,13 @@ KINDS = {
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "broadcast_": "broadcast",
 }
+# The functional collectives DTensor issues (torch.distributed._functional_collectives), whose last
+# argument names the group: operator name -> collective.
+FUNCTIONAL_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+}
 
 
 def ring_traffic(kind: str, nbytes: int, group_size: int) -> float:
@@ -91,7 +98,22 @@ class CollectiveLog(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "c10d":
             self._record(func, args)
+        elif func.namespace == "_c10d_functional" and func._opname in FUNCTIONAL_KINDS:
+            self._record_functional(func, args)
         return func(*args, **kwargs)
+
+    def _record_functional(self, func, args: tuple) -> None:
+        """A functional collective (what DTensor issues): its group is named by a string."""
+        kind = FUNCTIONAL_KINDS[func._opname]
+        group = dist.distributed_c10d._resolve_process_group(args[-1])
+        ranks = dist.get_process_group_ranks(group)
+        tensor = args[0]
+        nbytes = tensor.numel() * tensor.element_size()
+        if kind == "all_gather":  # the input is one rank's share of the full tensor
+            nbytes *= len(ranks)
+        self.events.append({"kind": "collective", "op": kind, "group": ranks,
+                            "dtype": str(tensor.dtype).removeprefix("torch."),
+                            "bytes": nbytes, "traffic_bytes": ring_traffic(kind, nbytes, len(ranks))})
 
     def _record(self, func, args: tuple) -> None:
         op_name = func._opname
