@@ -138,11 +138,12 @@ def hand_parallel(model: GPT, reduce_backward: bool = True) -> GPT:
 
 
 def heads_grouped_by_rank(model: GPT, world: int) -> None:
-    """Reorder each fused qkv's rows to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...] (rank r's heads).
+    """Reorder each fused qkv's rows to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...].
 
-    ColwiseParallel gives rank r the r-th contiguous chunk of rows; in the original order
-    [q | k | v] that would be all of q and half of k. After this reordering rank r's chunk is
-    exactly TensorParallelBlock's shard, and the Block's own forward (qkv.chunk(3)) stays right.
+    ColwiseParallel gives rank r the r-th contiguous chunk of rows; in the original
+    order [q | k | v] that would be all of q and half of k. After this reordering
+    rank r's chunk is exactly TensorParallelBlock's shard, and the Block's own
+    forward (qkv.chunk(3)) stays right.
     """
     with torch.no_grad():
         for block in model.blocks:
@@ -151,9 +152,10 @@ def heads_grouped_by_rank(model: GPT, world: int) -> None:
                 tensor.copy_(torch.cat(pieces))
 
 
-def dtensor_parallel(model: GPT, mesh) -> GPT:
-    """The same split with PyTorch's API: a plan per block, applied by parallelize_module."""
-    heads_grouped_by_rank(model, mesh.size())
+def dtensor_parallel(model: GPT, mesh, group_heads: bool = True) -> GPT:
+    """The same split with PyTorch's API: a plan per block, parallelize_module."""
+    if group_heads:  # False only in the control run
+        heads_grouped_by_rank(model, mesh.size())
     plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
             "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
     for block in model.blocks:
@@ -240,13 +242,14 @@ def main() -> None:
     ref_logits, ref_loss = step(ref_model, x, y)
     ref_grads = {name: p.grad for name, p in ref_model.named_parameters()}
 
-    versions = {"hand": lambda m: hand_parallel(m),
-                "control: f without all-reduce": lambda m: hand_parallel(m, False)}
+    versions = {}
+    if args.api in ("hand", "both"):
+        versions["hand"] = hand_parallel
+        versions["control: f without all-reduce"] = lambda m: hand_parallel(m, False)
     if args.api in ("dtensor", "both"):
         mesh = dist.device_mesh.init_device_mesh(device.type, (world,))
         versions["dtensor"] = lambda m: dtensor_parallel(m, mesh)
-    if args.api == "dtensor":
-        del versions["hand"]
+        versions["control: qkv cut in one piece"] = lambda m: dtensor_parallel(m, mesh, False)
     grads = {}
     for name, make in versions.items():
         model = make(copy.deepcopy(reference))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dtbook.cli import ScriptError
+from dtbook.metrics import read_metrics
 from support import load_script, run_python
 
 SCRIPT = "ch8_tensor_parallel.py"
@@ -66,3 +67,21 @@ def test_the_refusal_is_one_line_and_exit_2_before_any_process_group():
     assert done.stderr.strip().count("\n") == 0, done.stderr
     assert "error: the tiny model's 2 attention heads do not split over 4" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_world_of_one_splits_nothing_so_even_the_controls_agree(tmp_path):
+    # With one rank there is no other rank's share to miss: f's all-reduce and the row order
+    # of qkv change nothing, so the controls, which fail on 2 and 4 ranks, pass here. Same
+    # products in the same order as the unsplit model: equal to float32 resolution.
+    metrics = tmp_path / "m.jsonl"
+    run_python(SCRIPT, "--model", "tiny", "--batch-size", "2", "--metrics", metrics, timeout=60)
+    records = [r for r in read_metrics(metrics) if r.get("event") == "compare"]
+    assert len(records) == 4
+    for r in records:
+        assert r["logits_gap"] <= 1e-6 and r["grad_gap"] <= 1e-6, r
+    # The hand-written blocks call all_reduce anyway: 4 per block (2 blocks), the f-less
+    # control half of them, none sending a byte. DTensor skips collectives on a 1-rank mesh.
+    counts = {r["version"]: r["all_reduces"] for r in records}
+    assert counts == {"hand": 8, "control: f without all-reduce": 4, "dtensor": 0,
+                      "control: qkv cut in one piece": 0}
+    assert all(r["traffic_bytes"] == 0 for r in records)
