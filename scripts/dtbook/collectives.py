@@ -5,8 +5,9 @@ as a ``c10d`` operator: DDP's all-reduce from inside its C++ reducer, FSDP's all
 reduce-scatters, a plain ``dist.broadcast``. The mode sees each one on the thread that issues it
 (on the CPU, autograd runs backward on the calling thread), records the operator, the ranks of its
 process group and its size, and lets it run unchanged. DTensor issues *functional* collectives
-(``_c10d_functional`` operators, the group named by a string); those are recorded the same way. It can also mark where modules' forward and
-backward begin, so the log reads as a timeline of one step.
+(``_c10d_functional`` operators, the group named by a string); those are recorded the same way.
+It can also mark where modules' forward and backward begin, so the log reads as a timeline of one
+step.
 
 Sizes follow the usual convention for bandwidth accounting: ``bytes`` is the size of the full
 tensor the collective is about (the all-reduced gradient, the all-gathered parameters, the input of
