@@ -42,6 +42,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -52,11 +53,13 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # Sizes come from the tensors, not the config: under tensor parallelism (chapter 8) qkv
+        # holds only this rank's heads, and the same forward then runs on those heads alone.
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        x = x + self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
