@@ -219,9 +219,6 @@ def print_table(rows: list[dict]) -> None:
         exposed = "-" if r["exposed_ddp"] is None else f"{r['exposed_ddp']:.2f}"
         print(f"{r['batch_size']:>5} {r['bucket_cap_mb']:>7g} {r['buckets']:>7} {times} "
               f"{r['waited_ddp_ms']:>10.1f} {r['waited_naive_ms']:>6.1f} {exposed:>7}")
-    print("(ms: medians of the slowest rank, waits of the least-waiting one; p25-p75 in "
-          "the metrics; exposed = waited DDP / T_comm, '-' where T_comm is within the "
-          "noise of T_ddp)")
 
 
 def main() -> None:
@@ -252,7 +249,8 @@ def main() -> None:
             rows.append(row)
     if rank == 0:
         print(f"{args.model} model, {world_size} process(es), {backend} on {device.type}; "
-              f"{args.steps} timed steps per row")
+              f"{args.steps} timed steps per row; ms, medians (p25-p75 in the metrics); "
+              f"exposed '-': T_comm within the noise")
         print_table(rows)
     metrics.close()
     drain_gloo_workers()
