@@ -100,7 +100,8 @@ def test_effective_batch_is_batch_times_accumulation_times_world(sampler_run):
     assert len(steps) == 2
     for s in steps:
         assert s["samples"] == s["distinct"] == 3 * 2 * 2
-        assert s["max_grad_diff_vs_one_process"] < 1e-5
+        # float32 sums in another order: a few 1e-7 of the largest gradient entry
+        assert s["max_grad_diff_vs_one_process"] < 1e-5 * s["max_abs_grad"]
 
 
 def test_exit_barrier_race_report_is_condensed_and_other_lines_pass():
