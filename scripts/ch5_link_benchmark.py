@@ -169,9 +169,11 @@ def run_buckets(args, device, batches, report) -> None:
     layouts = {cap: warm_layout(ddp, opt, data) for cap, (ddp, opt) in models.items()}
     steps = {cap: partial(train_step, ddp, opt, data)
              for cap, (ddp, opt) in models.items()}
-    times = median_ms(time_in_turns(steps, args.steps, args.warmup, device))
+    times = time_in_turns(steps, args.steps, args.warmup, device)
     for cap, ms in times.items():
-        report("buckets", bucket_cap_mb=cap, buckets=len(layouts[cap]), step_ms=ms)
+        p25, _, p75 = statistics.quantiles(ms, n=4)  # the spread the curve must beat
+        report("buckets", bucket_cap_mb=cap, buckets=len(layouts[cap]),
+               step_ms=statistics.median(ms), p25_ms=p25, p75_ms=p75)
 
 
 def exposed_ms(waits: list[float], warmup: int, device) -> float:
