@@ -90,16 +90,16 @@ def quiet_library_notices() -> None:
     """Drop Lightning's notices that say nothing about this program.
 
     Two deprecation warnings raised inside Lightning 2.6.6's own code (its pytree
-    helper and its all_gather), the advertisement for its cloud logger, and the hint
-    to use srun on a machine that has Slurm installed. Everything else Lightning
-    says, warnings about the reader's code included, is kept.
+    helper and its all_gather), the advertisement for its cloud logger, the hint to
+    use srun on a machine that has Slurm installed, and the report of no TPU. Everything
+    else Lightning says, warnings about the reader's code included, is kept.
     """
     for message in [r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                     r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
                     r"The `srun` command is available on your system but is not used"]:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: not record.getMessage().startswith("💡 Tip:"))
+        lambda record: not record.getMessage().startswith(("💡 Tip:", "TPU available: False")))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
