@@ -35,6 +35,23 @@ def test_exit_barrier_race_report_is_condensed_and_other_lines_pass():
     assert [out for line in lines for out in unrelated.feed(line)] == lines
 
 
+def test_rendezvous_shutdown_race_is_condensed_and_a_lone_store_warning_is_kept():
+    # The form seen in chapter 7's three-node runs: the store closed under the last agent.
+    stack = ["[W TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=4): Failed to recv\n",
+             "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):\n",
+             "frame #0: c10::Error::Error() + 0x9d\n", "<omitting python frames>\n", "\n"]
+    shutdown = ("W1127 1 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1298] The node "
+                "'n' has failed to shutdown the rendezvous 'r' due to an error of type "
+                "RendezvousConnectionError.\n")
+    race = ExitBarrierRaceFilter()
+    shown = [out for line in [*stack, shutdown, "next line\n"] for out in race.feed(line)]
+    assert shown == [ExitBarrierRaceFilter.SHUTDOWN_SUMMARY, "next line\n"]
+    # Without the shutdown line the stack is something else, and is shown in full.
+    other = ExitBarrierRaceFilter()
+    lines = [*stack, "RANK=0 LOCAL_RANK=0\n"]
+    assert [out for line in lines for out in other.feed(line)] == lines
+
+
 @pytest.mark.parametrize("script, args, message", [
     ("ch3_sampler.py", ["--dataset-size", "0"], "--dataset-size"),
     ("ch3_sampler.py", ["--accum-steps", "0"], "--accum-steps"),
