@@ -18,6 +18,7 @@ q, k and v of shape (batch, heads, sequence, head size).
 """
 
 import argparse
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -141,14 +142,19 @@ def backends(args, device) -> list[dict]:
             sdpa(q, k, v)
         chosen = sorted(name for name in ops.names() if name.startswith("_scaled_dot_product"))
         for backend in BACKENDS:
-            try:
-                with sdpa_kernel(getattr(SDPBackend, backend)):
-                    sdpa(q, k, v)
-                problem = None
-            except RuntimeError as err:
-                problem = one_line(err)
+            # A kernel that cannot run warns once per reason before the call fails: on a
+            # GPU, a wall of UserWarnings. The reasons go into the metrics instead.
+            with warnings.catch_warnings(record=True) as reasons:
+                warnings.simplefilter("always")
+                try:
+                    with sdpa_kernel(getattr(SDPBackend, backend)):
+                        sdpa(q, k, v)
+                    problem = None
+                except RuntimeError as err:
+                    problem = one_line(err)
             rows.append({"backend": backend, "dtype": str(dtype).removeprefix("torch."),
-                         "works": problem is None, "problem": problem, "default_kernel": chosen})
+                         "works": problem is None, "problem": problem, "default_kernel": chosen,
+                         "reasons": [one_line(w.message) for w in reasons]})
     return rows
 
 

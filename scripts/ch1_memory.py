@@ -228,6 +228,15 @@ def allocation_curve(snapshot: dict, device_index: int, max_points: int = 2000) 
     return curve[::stride]
 
 
+def segment_totals(snapshot: dict) -> dict[str, int]:
+    """segsum's last lines as numbers: the allocator's segments, and their bytes."""
+    segments = snapshot["segments"]
+    reserved = sum(seg["total_size"] for seg in segments)
+    allocated = sum(seg["allocated_size"] for seg in segments)
+    return {"segments": len(segments), "reserved_bytes": reserved,
+            "allocated_bytes": allocated, "free_bytes": reserved - allocated}
+
+
 def record_cuda_snapshot(cfg, x, y, seed, device, path: str | None, metrics) -> None:
     """Record every allocation of one fp32 step, from before the model exists, and summarise it."""
     from torch.cuda import _memory_viz
@@ -245,7 +254,7 @@ def record_cuda_snapshot(cfg, x, y, seed, device, path: str | None, metrics) -> 
         print(f"snapshot written to {path}: drop it on https://pytorch.org/memory_viz, or run\n"
               f"  python -m torch.cuda._memory_viz trace_plot {path} -o {path}.html")
     metrics.write(event="cuda_snapshot", allocated=allocation_curve(snapshot, device.index),
-                  path=path)
+                  path=path, **segment_totals(snapshot))
 
 
 # --------------------------------------------------------------------------

@@ -174,6 +174,19 @@ def logits_gradient(model, x, y, dtype, scale: float) -> torch.Tensor:
     return captured[0]
 
 
+def log2_histogram(magnitudes: torch.Tensor, bins: int) -> dict:
+    """Counts and edges of ``bins`` equal bins from the smallest value to the largest.
+
+    torch.histc, not torch.histogram: histogram has no CUDA kernel and raised
+    NotImplementedError on a GPU; histc runs on both, and bins the same way.
+    """
+    low, high = magnitudes.min().item(), magnitudes.max().item()
+    counts = torch.histc(magnitudes, bins=bins, min=low, max=high)
+    edges = torch.linspace(low, high, bins + 1, dtype=torch.float64)
+    return {"log2_abs_gradient": counts.tolist(),
+            "log2_abs_gradient_edges": edges.tolist()}
+
+
 def underflow(model, x, y, scale: float, tokens_per_batch: int) -> dict:
     """How many entries of the logits' gradient fp16 turns into zero, with and without a scale.
 
@@ -200,8 +213,7 @@ def underflow(model, x, y, scale: float, tokens_per_batch: int) -> dict:
         "below_fp16_normal_fraction": (reference.abs() < FP16.tiny).float().mean().item(),
         "rounded_zero_fraction_unscaled": (rounded(reference)[nonzero] == 0).float().mean().item(),
         "rounded_zero_fraction_scaled": (rounded(reference * scale)[nonzero] == 0).float().mean().item(),
-        "log2_abs_gradient": torch.histogram(magnitudes, bins=60).hist.tolist(),
-        "log2_abs_gradient_edges": torch.histogram(magnitudes, bins=60).bin_edges.tolist(),
+        **log2_histogram(magnitudes, bins=60),
         "fp16_smallest_normal": FP16.tiny,
         "fp16_smallest_subnormal": SMALLEST_FP16_SUBNORMAL,
         "fp16_max": FP16.max,

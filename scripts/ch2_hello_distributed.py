@@ -20,6 +20,7 @@ from dtbook.distributed import (
     choose_backend,
     drain_gloo_workers,
     open_metrics,
+    process_group_device,
     use_single_process_defaults,
 )
 
@@ -37,7 +38,8 @@ def main() -> None:
 
     # torchrun exported RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; "env://"
     # reads them.
-    dist.init_process_group(backend=backend, init_method="env://")
+    dist.init_process_group(backend=backend, init_method="env://",
+                            device_id=process_group_device(device))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ["LOCAL_RANK"])
     print(f"rank {rank}/{world_size} (local rank {local_rank}) "

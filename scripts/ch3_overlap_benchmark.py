@@ -31,7 +31,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dtbook.cli import add_backend_and_metrics, positive_float, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.ddp_inspect import bucket_sizes
-from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
+from dtbook.distributed import (
+    ddp_device_ids,
+    drain_gloo_workers,
+    open_metrics,
+    require_gpu_for,
+    start_process_group,
+)
 from dtbook.model import GPT, MODEL_SIZES
 
 
@@ -136,6 +142,7 @@ def measure(args, cap, batches, device) -> dict:
 def main() -> None:
     args = parse_args()
     backend, device = start_process_group(args.backend)
+    require_gpu_for(args.model, device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     metrics = open_metrics(args.metrics, backend, device)
 

@@ -117,10 +117,12 @@ def count_effective_batch(args, device: torch.device, metrics: MetricsWriter):
         one_process(pooled_inputs, pooled_targets).backward()
         pairs = zip(model.parameters(), one_process.parameters(), strict=True)
         gap = max((p.grad - q.grad).abs().max().item() for p, q in pairs)
+        largest = max(q.grad.abs().max().item() for q in one_process.parameters())
         metrics.write(event="optimizer_step", step=step, samples=int(count.item()),
                       distinct=len(set(pooled)), per_process_batch=args.batch_size,
                       accum_steps=args.accum_steps, world_size=world_size,
-                      max_grad_diff_vs_one_process=gap, indices=pooled)
+                      max_grad_diff_vs_one_process=gap, max_abs_grad=largest,
+                      indices=pooled)
         if rank == 0:
             print(f"optimizer step {step}: {int(count.item())} samples "
                   f"({len(set(pooled))} distinct) = "

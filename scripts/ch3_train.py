@@ -72,6 +72,7 @@ from dtbook.distributed import (
     ddp_device_ids,
     drain_gloo_workers,
     open_metrics,
+    process_group_device,
     use_single_process_defaults,
 )
 from dtbook.model import GPT, MODEL_SIZES
@@ -360,7 +361,8 @@ def main() -> None:
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 
     # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; env:// reads them.
-    dist.init_process_group(backend=backend, init_method="env://")
+    dist.init_process_group(backend=backend, init_method="env://",
+                            device_id=process_group_device(device))
     metrics = open_metrics(args.metrics, backend, device)
     model, optimizer, scaler = build_model(args, device, rank)
     loader = rank_loader(dataset, args.batch_size, rank, world_size, args.seed)

@@ -53,21 +53,27 @@ from dtbook.model import GPT, MODEL_SIZES, Block
 TRAINED_STEPS = 2
 CONFIGS = ["ddp", "zero1", "fsdp2_full", "fsdp2_grad_op", "fsdp2_root_only", "fsdp2_full_ac", "fsdp2_hybrid",
            "fsdp2_offload", "fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard"]
+HOST = torch.device("cpu")
 FSDP1_STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "grad_op": ShardingStrategy.SHARD_GRAD_OP,
                     "no_shard": ShardingStrategy.NO_SHARD}
 
 
 class LiveMemory(TorchDispatchMode):
-    """Bytes held by tensors allocated while active: now, and the peak since reset_peak.
+    """Bytes held on ``device`` by tensors allocated while active: now, and the
+    peak since reset_peak.
 
-    Each operator's outputs are registered by their storage; a weak reference drops a
-    storage when it is freed. FSDP frees and re-allocates gathered parameters by resizing
-    their storage, without an operator, so the total is re-read after every operator
-    rather than kept as a running sum.
+    Only storages on the training device count: with CPU offload on a GPU, the
+    shards in host memory are what left the device (on an H100 they once counted
+    as device memory, and offload's peak equalled full sharding's). Each
+    operator's outputs are registered by their storage; a weak reference drops a
+    storage when it is freed. FSDP frees and re-allocates gathered parameters by
+    resizing their storage, without an operator, so the total is re-read after
+    every operator rather than kept as a running sum.
     """
 
-    def __init__(self):
+    def __init__(self, device: torch.device):
         super().__init__()
+        self.device_type = device.type
         self.storages: dict[int, weakref.ref] = {}
         self.peak = 0
 
@@ -86,6 +92,8 @@ class LiveMemory(TorchDispatchMode):
                 self._track(getattr(tensor, name))
             return
         storage = tensor.untyped_storage()
+        if storage.device.type != self.device_type:
+            return
         key = id(storage)
         if key not in self.storages:
             forget = lambda _, key=key: self.storages.pop(key, None)
@@ -99,14 +107,16 @@ class LiveMemory(TorchDispatchMode):
         self.peak = self.live()
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of memory behind some tensors, each storage counted once (views share one)."""
+def storage_bytes(tensors, device: torch.device) -> int:
+    """Bytes of memory on ``device``'s kind behind some tensors, each storage counted once
+    (views share one)."""
     seen = {}
     for tensor in tensors:
         if isinstance(tensor, DTensor):
             tensor = tensor.to_local()
         storage = tensor.untyped_storage()
-        seen[storage.data_ptr(), storage.device] = storage.nbytes()
+        if storage.device.type == device.type:
+            seen[storage.data_ptr(), storage.device] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -158,7 +168,7 @@ def formula(config: str, n_params: int, world_size: int) -> dict[str, float]:
 
 def measure(config: str, cfg, device, batches, args) -> dict:
     """Build under LiveMemory, take a warm-up step, then measure one step."""
-    with LiveMemory() as memory:
+    with LiveMemory(device) as memory:
         model, optimizer = build(config, cfg, device, args.seed, args.lr)
         (x1, y1), (x2, y2) = batches
         model(x1, y1).backward()
@@ -173,14 +183,22 @@ def measure(config: str, cfg, device, batches, args) -> dict:
         with CollectiveLog(marks) as log:
             model(x2, y2).backward()
             with_grad = [p for p in model.parameters() if p.grad is not None]
-            grads = storage_bytes(p.grad for p in with_grad)
+            grads = {where: storage_bytes((p.grad for p in with_grad), where)
+                     for where in (device, HOST)}
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         on_gpu = device.type == "cuda"
+        state = {"params": list(model.parameters()),
+                 "optimizer": optimizer_moments(optimizer)}
         row = {"rank": dist.get_rank(),
-               "params": storage_bytes(model.parameters()),
-               "grads": grads,
-               "optimizer": storage_bytes(optimizer_moments(optimizer)),
+               "params": storage_bytes(state["params"], device),
+               "grads": grads[device],
+               "optimizer": storage_bytes(state["optimizer"], device),
+               # in host memory, apart from the device's: CPU offload's shards
+               "host": None if device == HOST else {
+                   "params": storage_bytes(state["params"], HOST),
+                   "grads": grads[HOST],
+                   "optimizer": storage_bytes(state["optimizer"], HOST)},
                "at_rest": memory.live(),
                "peak_step": memory.peak,
                "cuda_peak_step": torch.cuda.max_memory_allocated() if on_gpu else None}
@@ -196,6 +214,14 @@ def measure(config: str, cfg, device, batches, args) -> dict:
     gc.collect()
     return {"row": row, "log": log, "layout": layout, "weights": weights,
             "after_one_step": after_one_step}
+
+
+def check_offload(row: dict) -> None:
+    """CPUOffloadPolicy moves the sharded parameters and the AdamW state to host memory: the
+    device must hold none of them after the step, and the host all of them."""
+    host = row["host"]
+    if row["params"] or row["optimizer"] or not (host["params"] and host["optimizer"]):
+        raise RuntimeError(f"fsdp2_offload left state on the device: {row}")
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
@@ -251,6 +277,8 @@ def main() -> None:
     ddp_weights = None
     for config in configs:
         result = measure(config, cfg, device, batches, args)
+        if config == "fsdp2_offload":
+            check_offload(result["row"])
         if config == "ddp":
             ddp_weights = result["weights"]
             # The control: DDP one optimizer step earlier, a model that must fail the comparison.

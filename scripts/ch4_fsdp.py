@@ -86,7 +86,13 @@ from dtbook.cli import (
 )
 from dtbook.collectives import CollectiveLog
 from dtbook.data import DEFAULTS, corpus_windows, rank_loader
-from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
+from dtbook.distributed import (
+    choose_backend,
+    drain_gloo_workers,
+    open_metrics,
+    process_group_device,
+    use_single_process_defaults,
+)
 from dtbook.model import GPT, MODEL_SIZES, Block
 from dtbook.progress import Progress
 
@@ -540,7 +546,8 @@ def main() -> None:
     steps_per_epoch = len(dataset) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    dist.init_process_group(backend=backend, init_method="env://")
+    dist.init_process_group(backend=backend, init_method="env://",
+                            device_id=process_group_device(device))
     metrics = open_metrics(args.metrics, backend, device)
     mesh = build_mesh(args, world_size, device)
     model, optimizer, n_params = build_model(args, device, rank, mesh)

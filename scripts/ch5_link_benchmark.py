@@ -51,7 +51,7 @@ from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.ddp_inspect import bucket_sizes
 from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
-from dtbook.timing import time_in_turns
+from dtbook.timing import LastGradientClock, time_in_turns, waited_ms
 
 EXPERIMENTS = ["allreduce", "buckets", "overlap", "accumulation", "compression"]
 
@@ -91,18 +91,6 @@ def build(args, device, **ddp_options):
     ddp = DDP(GPT(MODEL_SIZES[args.model]).to(device), device_ids=ddp_device_ids(device),
               **ddp_options)
     return ddp, torch.optim.AdamW(ddp.parameters(), lr=DEFAULTS.lr)
-
-
-class LastGradientClock:
-    """Notes when backward computed its last gradient: a hook on every parameter."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.at = 0.0
-        for param in module.parameters():
-            param.register_post_accumulate_grad_hook(self.tick)
-
-    def tick(self, param) -> None:
-        self.at = time.perf_counter()
 
 
 def train_step(ddp, optimizer, data, communicate: bool = True, waits: list | None = None,
@@ -181,20 +169,16 @@ def run_buckets(args, device, batches, report) -> None:
     layouts = {cap: warm_layout(ddp, opt, data) for cap, (ddp, opt) in models.items()}
     steps = {cap: partial(train_step, ddp, opt, data)
              for cap, (ddp, opt) in models.items()}
-    times = median_ms(time_in_turns(steps, args.steps, args.warmup, device))
+    times = time_in_turns(steps, args.steps, args.warmup, device)
     for cap, ms in times.items():
-        report("buckets", bucket_cap_mb=cap, buckets=len(layouts[cap]), step_ms=ms)
+        p25, _, p75 = statistics.quantiles(ms, n=4)  # the spread the curve must beat
+        report("buckets", bucket_cap_mb=cap, buckets=len(layouts[cap]),
+               step_ms=statistics.median(ms), p25_ms=p25, p75_ms=p75)
 
 
 def exposed_ms(waits: list[float], warmup: int, device) -> float:
-    """Median over the timed steps of the smallest wait on any rank, in ms.
-
-    The rank that finished backward last waits only for the network; the others also wait
-    for it, which is imbalance between ranks, not communication.
-    """
-    timed = torch.tensor(waits[warmup:], device=device) * 1000
-    dist.all_reduce(timed, op=dist.ReduceOp.MIN)
-    return statistics.median(timed.tolist())
+    """Median over the timed steps of the smallest wait on any rank, in ms."""
+    return statistics.median(waited_ms(waits, warmup, device))
 
 
 def run_overlap(args, device, batches, report) -> None:

@@ -34,10 +34,12 @@ step N, once (as in chapter 3).
 import argparse
 import dataclasses
 import itertools
+import logging
 import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from dtbook.reproducibility import require_reproducible_cpu_math
@@ -84,6 +86,22 @@ COMM_HOOKS = {"none": None, "fp16": default_hooks.fp16_compress_hook,
               "bf16": default_hooks.bf16_compress_hook}
 
 
+def quiet_library_notices() -> None:
+    """Drop Lightning's notices that say nothing about this program.
+
+    Two deprecation warnings raised inside Lightning 2.6.6's own code (its pytree
+    helper and its all_gather), the advertisement for its cloud logger, the hint to
+    use srun on a machine that has Slurm installed, and the report of no TPU. Everything
+    else Lightning says, warnings about the reader's code included, is kept.
+    """
+    for message in [r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                    r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+                    r"The `srun` command is available on your system but is not used"]:
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not record.getMessage().startswith(("💡 Tip:", "TPU available: False")))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = script_parser(__doc__)
     add = parser.add_argument
@@ -118,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="checkpoint every N optimizer steps, and last.ckpt with it (default: 50)")
     add("--resume", action="store_true", help='continue from --checkpoint-dir/last.ckpt (ckpt_path="last")')
     add("--log-every", type=positive_int, default=10, help="log the loss every N steps")
+    add("--print-every", type=positive_int,
+        help="print progress on the console every N steps (default: every logged step)")
     add("--save-final", type=Path, help="rank 0 writes the final model state dict here")
     add("--crash-at-step", type=positive_int,
         help="fault injection: SIGKILL one process right after this optimizer step")
@@ -131,6 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--resume needs --checkpoint-dir")
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    args.print_every = args.print_every or args.log_every
     ddp_only = [flag for flag, on in [("--static-graph", args.static_graph),
                                       ("--find-unused-parameters", args.find_unused_parameters),
                                       ("--comm-hook", args.comm_hook != "none")] if on]
@@ -262,8 +283,10 @@ class LitGPT(L.LightningModule):
                                rank_losses=per_rank, batch_token_sum=self.last_batch_sum,
                                step_time_s=step_time,
                                samples_per_s=self.global_batch() / step_time)
-            rank_zero_info(f"step {step:>5}/{total} | epoch {self.current_epoch} | "
-                           f"loss {synced:.4f} | {self.global_batch() / step_time:,.0f} samples/s")
+            if step % self.args.print_every == 0 or step == total:
+                rank_zero_info(f"step {step:>5}/{total} | epoch {self.current_epoch} | "
+                               f"loss {synced:.4f} | "
+                               f"{self.global_batch() / step_time:,.0f} samples/s")
             self.last_log, self.steps_since_log = now, 0
         self.maybe_crash(step)
         self.maybe_wait_for_signal(step)
@@ -440,6 +463,7 @@ def save_final(args, lit: LitGPT, metrics) -> None:
 
 def main() -> None:
     args = parse_args()
+    quiet_library_notices()
     backend, device = choose_backend(args.backend)
     devices, num_nodes = world_from_launcher()
     world_size = devices * num_nodes

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,7 +31,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
-from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
+from dtbook.distributed import (
+    ddp_device_ids,
+    drain_gloo_workers,
+    open_metrics,
+    require_gpu_for,
+    start_process_group,
+)
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.timing import time_in_turns
 
@@ -119,6 +126,10 @@ def main() -> None:
     args = parse_args()
     cache, cache_was_empty = use_cache(args.cache_dir)
     backend, device = start_process_group(args.backend)
+    require_gpu_for(args.model, device)
+    # Inductor suggests TF32 on every compile on a recent GPU. fp32 means fp32 in this
+    # comparison of eager and compiled; TF32 is its own row in the GPU results.
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     metrics = open_metrics(args.metrics, backend, device)
     cfg = MODEL_SIZES[args.model]

@@ -13,6 +13,23 @@ BUILD_TIMEOUT_S = 3000
 _BUILD: dict = {}  # the one build of this session, so a failure is not rebuilt for every test
 
 
+def pytest_configure(config):
+    """Refuse, in one line, a torch other than the one requirements.txt pins.
+
+    The scripts use the API of that version: on an H100 with torch 2.11, the suite failed where
+    a script called ``dist.all_gather_single`` (new in 2.13; 2.11 has all_gather_into_tensor).
+    A CUDA build of the pinned version ("2.13.0+cu130") is the same torch.
+    """
+    import re
+
+    import torch
+
+    pinned = re.search(r"^torch==(\S+)$", (REPO / "requirements.txt").read_text(), re.M).group(1)
+    if torch.__version__.split("+")[0] != pinned:
+        raise pytest.UsageError(f"the tests need torch {pinned} (requirements.txt), this is "
+                                f"{torch.__version__}: run them with make test, in .venv")
+
+
 def pytest_collection_finish(session):
     """Bring the book up to date as soon as the session knows it needs it.
 

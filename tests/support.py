@@ -3,43 +3,38 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
+import shlex
 import sys
-from pathlib import Path
 
-from dtbook.paths import REPO_ROOT as REPO
+from dtbook.launch import RunResult, launch_python, launch_torchrun
+from dtbook.paths import REPO_ROOT as REPO  # noqa: F401  (the tests import it from here)
 from dtbook.paths import SCRIPTS_DIR as SCRIPTS
-
-BIN = Path(sys.executable).parent
-
-
-def _env(extra: dict | None) -> dict:
-    """This process's environment, one thread per process, plus ``extra`` (a value of None unsets)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.update(extra or {})
-    return {name: value for name, value in env.items() if value is not None}
 
 
 def run_torchrun(script: str, *args, nproc: int = 2, timeout: float = 300, env: dict | None = None,
-                 check: bool = True) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=N scripts/<script> args...``; output captured as text."""
-    command = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", str(SCRIPTS / script),
-               *map(str, args)]
-    return _run(command, timeout, env, check)
+                 check: bool = True, torchrun_args: tuple = ()) -> RunResult:
+    """``torchrun --standalone --nproc_per_node=N scripts/<script> args...`` through the notebooks' launcher.
+
+    Quiet (the output is in ``.output``, stdout and stderr together), one thread per process, no
+    ``--metrics`` added; ``env`` values of None unset a variable; ``torchrun_args`` go to torchrun
+    after the two above. With ``check`` a failed run fails the test with its output.
+    """
+    launcher = ["--standalone", f"--nproc_per_node={nproc}", *map(str, torchrun_args)]
+    done = launch_torchrun(script, args, nproc=nproc, timeout=timeout, env=env, metrics=False, check=False,
+                           quiet=True, threads_per_process=1, torchrun_args=launcher)
+    return _checked(done, check)
 
 
-def run_python(script: str, *args, timeout: float = 300, env: dict | None = None,
-               check: bool = True) -> subprocess.CompletedProcess:
-    """``python scripts/<script> args...`` with no launcher: a world of one."""
-    return _run([sys.executable, str(SCRIPTS / script), *map(str, args)], timeout, env, check)
+def run_python(script: str, *args, timeout: float = 300, env: dict | None = None, check: bool = True) -> RunResult:
+    """``python scripts/<script> args...`` with no launcher (a world of one), like ``run_torchrun``."""
+    done = launch_python(script, args, timeout=timeout, env=env, metrics=False, check=False, quiet=True,
+                         threads_per_process=1)
+    return _checked(done, check)
 
 
-def _run(command, timeout, env, check) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=REPO)
+def _checked(done: RunResult, check: bool) -> RunResult:
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(command)} exited {done.returncode}\n--- stdout\n{done.stdout}\n"
-                             f"--- stderr\n{done.stderr}")
+        raise AssertionError(f"{shlex.join(done.command)} exited {done.returncode}\n{done.output}")
     return done
 
 

@@ -204,9 +204,9 @@ def backward_overlap(layers: int = 6, buckets: tuple[tuple[int, ...], ...] = ((6
 
 
 def torchrun_two_nodes(per_node: int = 2) -> str:
-    svg = Svg(980, 500, "torchrun: agents, workers and the rendezvous store on two nodes")
+    svg = Svg(980, 520, "torchrun: agents, workers, the rendezvous store and the job store on two nodes")
     svg.text(15, 24, "torchrun on two nodes: one agent per node, one worker per GPU, "
-             "one store to meet at", size=15, anchor="start", weight="bold")
+             "two stores on node 0", size=15, anchor="start", weight="bold")
     node_w, node_h, node_y = 440, 330, 50
     store = None
     for node in range(2):
@@ -220,10 +220,16 @@ def torchrun_two_nodes(per_node: int = 2) -> str:
         svg.text(agent_x + (node_w - 40) / 2, agent_y + 42, "starts, watches and restarts the "
                  "workers (--max-restarts)", size=11)
         if node == 0:
-            store = (agent_x + 110, agent_y + 76)
-            svg.box(agent_x + 110, agent_y + 70, 166, 44, fill="#e5f5e0", dash=True)
-            svg.text(agent_x + 193, agent_y + 88, "c10d store (TCPStore)", size=12, weight="bold")
-            svg.text(agent_x + 193, agent_y + 105, "--rdzv-endpoint=host0:29500", size=10)
+            # Two stores (torch 2.13, dynamic_rendezvous.py): the agents meet at the
+            # rendezvous endpoint, and the group-rank-0 agent then opens a second
+            # TCPStore on a free port, which MASTER_PORT gives to the workers.
+            store = (agent_x + 40, agent_y + 76)
+            svg.box(agent_x + 40, agent_y + 70, 182, 44, fill="#e5f5e0", dash=True)
+            svg.text(agent_x + 131, agent_y + 88, "rendezvous store", size=12, weight="bold")
+            svg.text(agent_x + 131, agent_y + 105, "--rdzv-endpoint=host0:29500", size=10)
+            svg.box(agent_x + 242, agent_y + 70, 156, 44, fill="#fdf0f0")
+            svg.text(agent_x + 320, agent_y + 88, "job store (TCPStore)", size=12, weight="bold")
+            svg.text(agent_x + 320, agent_y + 105, "MASTER_PORT: a free port", size=10)
         for local in range(per_node):
             wx = nx + 20 + local * ((node_w - 40) / per_node)
             wy = node_y + 185
@@ -236,10 +242,11 @@ def torchrun_two_nodes(per_node: int = 2) -> str:
                                          f"LOCAL_WORLD_SIZE={per_node}",
                                          f"device cuda:{local}"]):
                 svg.text(wx + ww / 2, wy + 42 + 18 * line, text, size=11)
-            svg.arrow(wx + ww / 2, agent_y + 58, wx + ww / 2, wy - 2, colour="#a0522d")
+            # left of centre, clear of the two store boxes on node 0
+            svg.arrow(wx + 12, agent_y + 58, wx + 12, wy - 2, colour="#a0522d")
     # rendezvous: both agents meet at the store on node 0
     sx, sy = store
-    svg.arrow(20 + node_w + 60 + 40, node_y + 68, sx + 168, sy + 18, colour="#2ca02c", dash=True,
+    svg.arrow(20 + node_w + 60 + 40, node_y + 68, sx + 184, sy + 18, colour="#2ca02c", dash=True,
               both=True, curve=-40)
     svg.text(node_w + 50, node_y + 132, "rendezvous:", size=11, fill="#2ca02c")
     svg.text(node_w + 50, node_y + 146, "who is who", size=11, fill="#2ca02c")
@@ -249,8 +256,10 @@ def torchrun_two_nodes(per_node: int = 2) -> str:
     svg.text(480, y - 8, "collectives (NCCL or gloo): the workers connect to each other directly, "
              "not through the agents", size=12, fill="#1f77b4")
     notes = ["Brown: each agent starts its workers and hands them their environment.",
-             "Green, dashed: the agents agree on who is who at the store on node 0; the "
-             "workers' init_process_group uses the same store.",
+             "Green, dashed: the agents agree on who is who at the rendezvous store; the workers' "
+             "init_process_group meets at the job store",
+             "that node 0's agent opens on a free port (MASTER_PORT); with "
+             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, rank 0's worker hosts it instead.",
              "A worker that dies makes its agent stop the others; with restarts left, the "
              "agents meet again and start new workers (TORCHELASTIC_RESTART_COUNT + 1)."]
     for line, note in enumerate(notes):

@@ -4,8 +4,10 @@
 as a ``c10d`` operator: DDP's all-reduce from inside its C++ reducer, FSDP's all-gathers and
 reduce-scatters, a plain ``dist.broadcast``. The mode sees each one on the thread that issues it
 (on the CPU, autograd runs backward on the calling thread), records the operator, the ranks of its
-process group and its size, and lets it run unchanged. It can also mark where modules' forward and
-backward begin, so the log reads as a timeline of one step.
+process group and its size, and lets it run unchanged. DTensor issues *functional* collectives
+(``_c10d_functional`` operators, the group named by a string); those are recorded the same way.
+It can also mark where modules' forward and backward begin, so the log reads as a timeline of one
+step.
 
 Sizes follow the usual convention for bandwidth accounting: ``bytes`` is the size of the full
 tensor the collective is about (the all-reduced gradient, the all-gathered parameters, the input of
@@ -33,6 +35,13 @@ KINDS = {
     "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "broadcast_": "broadcast",
+}
+# The functional collectives DTensor issues (torch.distributed._functional_collectives), whose last
+# argument names the group: operator name -> collective.
+FUNCTIONAL_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
 }
 
 
@@ -91,7 +100,22 @@ class CollectiveLog(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "c10d":
             self._record(func, args)
+        elif func.namespace == "_c10d_functional" and func._opname in FUNCTIONAL_KINDS:
+            self._record_functional(func, args)
         return func(*args, **kwargs)
+
+    def _record_functional(self, func, args: tuple) -> None:
+        """A functional collective (what DTensor issues): its group is named by a string."""
+        kind = FUNCTIONAL_KINDS[func._opname]
+        group = dist.distributed_c10d._resolve_process_group(args[-1])
+        ranks = dist.get_process_group_ranks(group)
+        tensor = args[0]
+        nbytes = tensor.numel() * tensor.element_size()
+        if kind == "all_gather":  # the input is one rank's share of the full tensor
+            nbytes *= len(ranks)
+        self.events.append({"kind": "collective", "op": kind, "group": ranks,
+                            "dtype": str(tensor.dtype).removeprefix("torch."),
+                            "bytes": nbytes, "traffic_bytes": ring_traffic(kind, nbytes, len(ranks))})
 
     def _record(self, func, args: tuple) -> None:
         op_name = func._opname

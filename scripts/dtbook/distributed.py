@@ -70,8 +70,19 @@ def start_process_group(requested: str = "auto", timeout_s: float | None = None)
     use_single_process_defaults()
     backend, device = choose_backend(requested)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timeout,
+                            device_id=process_group_device(device))
     return backend, device
+
+
+def process_group_device(device: torch.device) -> torch.device | None:
+    """``init_process_group``'s ``device_id``: this process's GPU, or None on the CPU.
+
+    Bound to its GPU, NCCL creates the communicator at once and ``barrier()`` knows the device;
+    without it NCCL warns "Guessing device ID based on global rank", which can hang where ranks
+    and GPUs do not map one to one. The argument takes an accelerator only.
+    """
+    return device if device.type == "cuda" else None
 
 
 def start_single_device(requested: str = "auto") -> tuple[str, torch.device]:
@@ -85,6 +96,15 @@ def start_single_device(requested: str = "auto") -> tuple[str, torch.device]:
         raise ScriptError(f"this program trains on one device, but it was started as {world_size} "
                           "processes: use torchrun --nproc_per_node=1 or plain python")
     return start_process_group(requested)
+
+
+def require_gpu_for(model: str, device: torch.device) -> None:
+    """Refuse a GPU-only model size (dtbook.model.GPU_ONLY_SIZES) on the CPU, in one line."""
+    from dtbook.model import GPU_ONLY_SIZES
+
+    if model in GPU_ONLY_SIZES and device.type != "cuda":
+        raise ScriptError(f"--model {model} is a GPU size: a step on this CPU would take minutes; "
+                          "run it on a CUDA machine, or pick tiny, small, medium or large")
 
 
 def drain_gloo_workers(seconds: float = 0.25) -> None:

@@ -57,10 +57,13 @@ def launch_torchrun(
     env: dict | None = None,
     threads_per_process: int | None = None,
     quiet: bool = False,
+    stream: bool = True,
 ) -> RunResult:
     """Run ``scripts/<script>`` under torchrun, streaming its output.
 
-    Prints the exact command first, so a reader can paste it into a terminal.
+    Prints the exact command first (with the variables of ``env`` in front), so a reader can
+    paste it into a terminal. ``stream=False`` keeps the output in the result instead of
+    printing it, for a cell that shows selected lines; ``quiet=True`` prints nothing at all.
     With ``metrics=True`` a fresh ``--metrics PATH`` is appended to the script's
     arguments and the JSON lines rank 0 wrote are returned. On a timeout or an
     interrupt the whole process group (agent and workers) is killed. With
@@ -74,11 +77,12 @@ def launch_torchrun(
     args, metrics_path = _script_args(script_path, args, metrics)
     command = [*launcher, *torchrun_args, str(script_path), *args]
     if not quiet:
-        print("$ " + _shown_command(["torchrun", *torchrun_args], script_path, args, metrics_path), flush=True)
+        print("$ " + _shown_command(["torchrun", *torchrun_args], script_path, args, metrics_path, env),
+              flush=True)
 
     cores = os.cpu_count() or 1
     run_env = _child_env(env, threads_per_process or max(1, cores // max(1, nproc)))
-    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet)
+    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet, stream)
     return result
 
 
@@ -108,6 +112,7 @@ def launch_torchrun_nodes(
     torchrun_args: list[str] | tuple[str, ...] = (),
     rdzv_endpoint: str | None = None,
     absent_nodes: list[int] | tuple[int, ...] = (),
+    stream: bool = True,
 ) -> NodesRunResult:
     """Play ``nnodes`` machines on this one: start one torchrun agent per "node".
 
@@ -117,7 +122,7 @@ def launch_torchrun_nodes(
     --rdzv-endpoint --rdzv-id`` (the rendezvous then assigns node ranks itself);
     ``"static"`` passes ``--master-addr/--master-port`` (``--node_rank`` is
     honored). Output lines are prefixed with their node; metrics, streaming,
-    the timeout and clean-up work as in ``launch_torchrun``, for every agent.
+    ``stream`` and the timeout and clean-up work as in ``launch_torchrun``, for every agent.
 
     With ``lab`` (a ``dtbook.cluster_lab.ClusterLab``) agent i runs on the lab's
     node i instead: in its network namespace, under its host name, with
@@ -154,7 +159,8 @@ def launch_torchrun_nodes(
         env = {"GLOO_SOCKET_IFNAME": lab.nodes[0].interface, **(env or {})}
     if not quiet:
         for node, name in zip(started, names, strict=True):
-            shown = _shown_command(["torchrun", *per_node[node]], script_path, args, metrics_path)
+            shown = _shown_command(["torchrun", *per_node[node]], script_path, args, metrics_path,
+                                   None if lab is not None else env)
             where = f"on {name}" if lab is not None else name
             print(f"$ {shown}   # {where}", flush=True)
         if lab is not None:
@@ -164,7 +170,7 @@ def launch_torchrun_nodes(
     run_env = _child_env(env, threads_per_process or max(1, cores // max(1, nnodes * nproc_per_node)))
     labels = [f"[{name}] " for name in names]
     result, procs = _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
-                                  filters=(AgentTracebackFilter, ExitBarrierRaceFilter))
+                                  stream, filters=(AgentTracebackFilter, ExitBarrierRaceFilter))
     return NodesRunResult(**vars(result), commands=commands, agent_pids=[p.pid for p in procs],
                           returncodes=[p.returncode for p in procs])
 
@@ -178,6 +184,7 @@ def launch_python(
     env: dict | None = None,
     threads_per_process: int | None = None,
     quiet: bool = False,
+    stream: bool = True,
 ) -> RunResult:
     """Run ``python scripts/<script> args...`` without a launcher; otherwise like ``launch_torchrun``.
 
@@ -189,9 +196,9 @@ def launch_python(
     args, metrics_path = _script_args(script_path, args, metrics)
     command = [sys.executable, str(script_path), *args]
     if not quiet:
-        print("$ " + _shown_command(["python"], script_path, args, metrics_path), flush=True)
+        print("$ " + _shown_command(["python"], script_path, args, metrics_path, env), flush=True)
     run_env = _child_env(env, threads_per_process)
-    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet)
+    result, _ = _run_commands(script, [command], [""], metrics_path, timeout, check, run_env, quiet, stream)
     return result
 
 
@@ -208,8 +215,12 @@ def _script_path(script: str) -> Path:
 
 
 def _script_args(script_path: Path, args, metrics: bool) -> tuple[list[str], str | None]:
-    """The script's arguments as strings, plus ``--metrics`` and a fresh file under runs/ when asked."""
-    args = [str(a) for a in args]
+    """The script's arguments as strings, plus ``--metrics`` and a fresh file under runs/ when asked.
+
+    A ``Path`` inside the repository becomes relative to it, as a reader would type it there
+    (scripts run in the repository root).
+    """
+    args = [_as_typed(a) for a in args]
     metrics_path = None
     if metrics:
         RUNS_DIR.mkdir(exist_ok=True)
@@ -219,22 +230,34 @@ def _script_args(script_path: Path, args, metrics: bool) -> tuple[list[str], str
     return args, metrics_path
 
 
-def _shown_command(launcher: list[str], script_path: Path, args: list[str], metrics_path: str | None) -> str:
-    """The command as a reader would type it in the repository root."""
+def _as_typed(arg) -> str:
+    if isinstance(arg, Path) and arg.resolve().is_relative_to(REPO_ROOT):
+        return arg.resolve().relative_to(REPO_ROOT).as_posix()
+    return str(arg)
+
+
+def _shown_command(launcher: list[str], script_path: Path, args: list[str], metrics_path: str | None,
+                   env: dict | None = None) -> str:
+    """The command as a reader would type it in the repository root, the run's variables in front."""
     shown = [*launcher, os.path.relpath(script_path, REPO_ROOT),
              *[os.path.relpath(a, REPO_ROOT) if a == metrics_path else a for a in args]]
-    return shlex.join(shown)
+    variables = [f"{name}={shlex.quote(str(value))}" for name, value in (env or {}).items() if value is not None]
+    unset = [f"-u {name}" for name, value in (env or {}).items() if value is None]
+    prefix = " ".join((["env", *unset] if unset else []) + variables)
+    return (prefix + " " if prefix else "") + shlex.join(shown)
 
 
 def _child_env(env: dict | None, threads: int | None) -> dict:
+    """This process's environment plus ``env``; a value of None unsets that variable."""
     run_env = {**os.environ, **(env or {})}
+    run_env = {name: value for name, value in run_env.items() if value is not None}
     if threads is not None:
         run_env.setdefault("OMP_NUM_THREADS", str(threads))
     run_env["PYTHONUNBUFFERED"] = "1"
     return run_env
 
 
-def _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet,
+def _run_commands(script, commands, labels, metrics_path, timeout, check, run_env, quiet, stream,
                   filters=None) -> tuple[RunResult, list]:
     """Start each command in its own process group, stream their output, enforce one deadline.
 
@@ -287,7 +310,7 @@ def _run_commands(script, commands, labels, metrics_path, timeout, check, run_en
                     shown_lines = [out for kept in shown_lines for out in line_filter.feed(kept)]
                 for shown_line in shown_lines:
                     lines.append(label + shown_line)
-                    if not quiet:
+                    if stream and not quiet:
                         print(label + shown_line, end="", flush=True)
     except KeyboardInterrupt:
         for proc in procs:

@@ -28,7 +28,12 @@ MODEL_SIZES = {
     "small": GPTConfig(n_layer=2, n_head=4, n_embd=64),
     "medium": GPTConfig(n_layer=4, n_head=4, n_embd=128),
     "large": GPTConfig(n_layer=6, n_head=8, n_embd=256),
+    # GPT-2 small's shape (124.5 M parameters; the vocabulary padded to a multiple of 64), the
+    # size at which a GPU measures precision, compile and SDPA rather than kernel launches.
+    "gpt2-small": GPTConfig(vocab_size=50304, context=1024, n_layer=12, n_head=12, n_embd=768),
 }
+# Sizes the book never runs on a CPU: one step of gpt2-small takes minutes there.
+GPU_ONLY_SIZES = {"gpt2-small"}
 
 
 class Block(nn.Module):
@@ -37,6 +42,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -47,11 +53,13 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # Sizes come from the tensors, not the config: under tensor parallelism (chapter 8) qkv
+        # holds only this rank's heads, and the same forward then runs on those heads alone.
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        x = x + self.dropout(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 

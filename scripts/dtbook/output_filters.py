@@ -50,10 +50,17 @@ class ExitBarrierRaceFilter:
     exits normally (PyTorch issue 69520). The report is replaced by one line, and so
     are the echoes that follow it: more C++ stacks from the closed store and the
     agent's warnings that it cannot reach the rendezvous it is leaving.
+
+    The same race has a second form: the last agent to leave finds the store already
+    closed while it shuts the rendezvous down, logs a C++ stack ("recvVector failed")
+    and then "has failed to shutdown the rendezvous". That report becomes one line too.
     """
 
     SUMMARY = ("torchrun: this agent lost the known exit-barrier race with the agent hosting the store "
                "(harmless; PyTorch issue 69520); its report is omitted\n")
+
+    SHUTDOWN_SUMMARY = ("torchrun: this agent found the store already closed while leaving the "
+                        "rendezvous (the same harmless race); its report is omitted\n")
 
     def __init__(self):
         self.held: list[str] = []  # store warnings that may turn out to be the start of the report
@@ -62,7 +69,8 @@ class ExitBarrierRaceFilter:
 
     @staticmethod
     def _store_warning(line: str) -> bool:
-        return "TCPStore.cpp" in line and ("recvValueWithTimeout failed" in line or "sendBytes failed" in line)
+        return "TCPStore.cpp" in line and any(
+            f"{call} failed" in line for call in ("recvValueWithTimeout", "recvVector", "sendBytes"))
 
     @staticmethod
     def _stack_line(line: str) -> bool:
@@ -79,6 +87,9 @@ class ExitBarrierRaceFilter:
         if self.raced and (self._store_warning(line) or self._stack_line(line)
                            or ("dynamic_rendezvous.py" in line and "RendezvousConnectionError" in line)):
             return []
+        if self.held and "has failed to shutdown the rendezvous" in line:
+            self.held, self.raced = [], True
+            return [self.SHUTDOWN_SUMMARY]
         if self._store_warning(line) or (self.held and self._stack_line(line)):
             self.held.append(line)
             return []

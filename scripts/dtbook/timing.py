@@ -39,3 +39,28 @@ def time_in_turns(functions: dict[str, Callable[[], object]], steps: int, warmup
         dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
         slowest[name] = per_call.tolist()
     return slowest
+
+
+class LastGradientClock:
+    """Notes when backward computed its last gradient: a hook on every parameter."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.at = 0.0
+        for param in module.parameters():
+            param.register_post_accumulate_grad_hook(self.tick)
+
+    def tick(self, param) -> None:
+        self.at = time.perf_counter()
+
+
+def waited_ms(waits: list[float], warmup: int, device: torch.device) -> list[float]:
+    """Per timed step, the smallest wait on any rank, in ms (collective).
+
+    ``waits`` holds, per step, the seconds from backward's last gradient until the
+    gradients were averaged. The rank that finished backward last waits only for the
+    network; the others also wait for it, which is imbalance between ranks, not
+    communication.
+    """
+    timed = torch.tensor(waits[warmup:], device=device) * 1000
+    dist.all_reduce(timed, op=dist.ReduceOp.MIN)
+    return timed.tolist()

@@ -97,3 +97,12 @@ def test_allocation_curve_adds_allocations_and_subtracts_completed_frees(memory)
     assert memory.allocation_curve({"device_traces": [[], trace]}, 1) == [512, 1536, 1024, 1280]
     long_trace = [{"action": "alloc", "size": 1}] * 10
     assert memory.allocation_curve({"device_traces": [long_trace]}, 0, max_points=5) == [1, 3, 5, 7, 9]
+
+
+def test_the_snapshots_segment_totals_add_up_its_segments(memory):
+    """The CUDA-only --snapshot path's summary, on a snapshot shaped like torch.cuda.memory._snapshot()."""
+    snapshot = {"segments": [{"total_size": 2 << 20, "allocated_size": 1536 << 10},
+                             {"total_size": 20 << 20, "allocated_size": 20 << 20}]}
+    assert memory.segment_totals(snapshot) == {"segments": 2, "reserved_bytes": 22 << 20,
+                                               "allocated_bytes": (1536 << 10) + (20 << 20),
+                                               "free_bytes": 512 << 10}

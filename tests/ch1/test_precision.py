@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtbook.model import GPT, MODEL_SIZES
 
@@ -63,3 +64,33 @@ def test_bf16_autocast_runs_matmuls_in_bf16_and_keeps_the_rest_in_fp32(precision
 def test_the_legacy_cuda_amp_spelling_is_deprecated(precision):
     warnings = precision.legacy_api_warnings()
     assert sum(w.startswith("FutureWarning") and "torch.amp" in w for w in warnings) == 2
+
+
+class NoCpuOnlyOps(TorchDispatchMode):
+    """The CUDA dispatcher's answer to ops that have no CUDA kernel, on the CPU.
+
+    On an H100, ``torch.histogram`` raised NotImplementedError ('aten::histogram.bin_ct' ...
+    'CUDA' backend) after the curves; the histograms are computed in ``underflow``.
+    """
+
+    CPU_ONLY = {torch.ops.aten.histogram.bin_ct, torch.ops.aten.histogram.bins_tensor}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.CPU_ONLY:
+            raise NotImplementedError(f"Could not run '{func}' with arguments from the 'CUDA' backend")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gradient_histogram_uses_no_op_that_cuda_lacks_and_bins_as_torch_histogram(precision):
+    torch.manual_seed(0)
+    model = GPT(MODEL_SIZES["tiny"])
+    x, y = batches(1, size=4)[0]
+    with NoCpuOnlyOps():  # the code path that crashed on the GPU, with the crash's cause armed
+        found = precision.underflow(model, x, y, scale=2.0**16, tokens_per_batch=2**24)
+    with pytest.raises(NotImplementedError), NoCpuOnlyOps():  # the control: the old call fails
+        torch.histogram(torch.rand(8, dtype=torch.float64), bins=4)
+    # The notebook's figure is unchanged: the same counts in the same bins as torch.histogram.
+    gradient = precision.logits_gradient(model, x, y, None, x.numel() / 2**24)
+    before = torch.histogram(torch.log2(gradient[gradient != 0].abs().double()), bins=60)
+    assert found["log2_abs_gradient"] == before.hist.tolist()
+    assert found["log2_abs_gradient_edges"] == before.bin_edges.tolist()

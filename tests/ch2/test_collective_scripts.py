@@ -55,13 +55,13 @@ def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(t
     model = AlphaBeta.load(model_file)
     assert (model.alpha_s, model.beta_s_per_byte) == (fit["alpha_s"], fit["beta_s_per_byte"])
     # One row per size, the collectives side by side in the header's order: time, busbw.
-    header = next(line for line in done.stdout.splitlines() if "all_reduce" in line)
+    header = next(line for line in done.output.splitlines() if "all_reduce" in line)
     order = header.split()
     assert sorted(order) == sorted({r["collective"] for r in rows})
     by_key = {(r["collective"], r["nbytes"]): r for r in rows}
     for size in sorted({r["nbytes"] for r in rows}):
-        line = re.search(rf"^ *{re.escape(format_bytes(size))}((?: +\S+)+)$", done.stdout, re.M)
-        assert line, f"no table row for {format_bytes(size)}:\n{done.stdout}"
+        line = re.search(rf"^ *{re.escape(format_bytes(size))}((?: +\S+)+)$", done.output, re.M)
+        assert line, f"no table row for {format_bytes(size)}:\n{done.output}"
         values = [float(v) for v in line.group(1).split()]
         for i, collective in enumerate(order):
             r = by_key[collective, size]
@@ -70,9 +70,9 @@ def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(t
     largest = max(r["nbytes"] for r in rows)
     for collective in order:
         predicted = model.predict(largest, 2, collective) * 1e6
-        printed = re.search(rf"{collective} (\d+) us", done.stdout.split("the model at")[1])
+        printed = re.search(rf"{collective} (\d+) us", done.output.split("the model at")[1])
         assert float(printed.group(1)) == pytest.approx(predicted, abs=0.51)  # to 1 us
-    assert "memory copy:" in done.stdout and "alpha-beta fit to all_reduce:" in done.stdout
+    assert "memory copy:" in done.output and "alpha-beta fit to all_reduce:" in done.output
 
 
 def measured(row: dict) -> Measurement:

@@ -21,10 +21,10 @@ def cnr_modes(output: str) -> set[str]:
 def test_every_worker_multiplies_in_mkls_reproducible_mode():
     """Started plainly by torchrun, with no MKL_CBWR in the environment, the workers set it themselves."""
     done = run_torchrun("ch3_train.py", *ONE_STEP, env={"MKL_VERBOSE": "1", "MKL_CBWR": None})
-    assert cnr_modes(done.stdout) == {"AUTO,STRICT"}
+    assert cnr_modes(done.output) == {"AUTO,STRICT"}
 
 
 def test_a_readers_own_setting_is_kept():
     """The control: MKL reports another mode when asked for one, so the test above can tell them apart."""
     done = run_python("ch3_train.py", *ONE_STEP, env={"MKL_VERBOSE": "1", "MKL_CBWR": "COMPATIBLE"})
-    assert cnr_modes(done.stdout) == {"COMPATIBLE"}
+    assert cnr_modes(done.output) == {"COMPATIBLE"}

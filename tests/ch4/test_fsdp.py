@@ -25,7 +25,7 @@ import torch
 from dtbook.cli import ScriptError
 from dtbook.collectives import ring_traffic
 from dtbook.ports import free_port
-from support import SCRIPTS, run_python
+from support import SCRIPTS, load_script, run_python
 
 SCRIPT = "ch4_fsdp.py"
 
@@ -89,10 +89,10 @@ def test_bad_flags_are_refused_by_the_parser(program, args, problem, capsys):
 
 def test_a_refused_combination_is_one_line_and_a_nonzero_exit():
     done = run_python(SCRIPT, "--model", "tiny", "--sharding", "no_shard", check=False, timeout=120)
-    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    errors = [line for line in done.output.splitlines() if "error:" in line]
     assert done.returncode == 2
     assert len(errors) == 1 and "no_shard" in errors[0]
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in done.output
 
 
 @pytest.mark.parametrize("kind, group, expected", [
@@ -128,3 +128,28 @@ def test_size_policy_never_separates_the_tied_weight(program, world_of_one):
     assert units == ["", "blocks.0.mlp", "blocks.1.mlp"], units
     tokens = torch.zeros(1, 8, dtype=torch.long)
     assert model(tokens, tokens).isfinite()
+
+
+@pytest.fixture(scope="module")
+def footprint():
+    return load_script("ch4_footprint.py")
+
+
+def test_footprint_counts_only_the_training_devices_memory(footprint):
+    """Host tensors are not device memory: on an H100, fsdp2_offload once measured as fsdp2_full."""
+    here, elsewhere = torch.ones(256), torch.ones(1024, device="meta")  # meta: another device
+    assert footprint.storage_bytes([here, elsewhere, here[:8]], torch.device("cpu")) == 1024
+    with footprint.LiveMemory(torch.device("cpu")) as memory:
+        kept = [torch.zeros(64), torch.zeros(4096, device="meta")]
+        assert memory.live() == 256 and kept
+
+
+def test_offload_that_left_state_on_the_device_is_an_error(footprint):
+    offloaded = {"params": 0, "grads": 0, "optimizer": 0,
+                 "host": {"params": 482_304, "grads": 482_304, "optimizer": 964_608}}
+    footprint.check_offload(offloaded)
+    # What the H100 reported on 2026-11-26, when host tensors counted as device memory.
+    not_offloaded = {**offloaded, "params": 482_304, "optimizer": 964_608,
+                     "host": {"params": 0, "grads": 0, "optimizer": 0}}
+    with pytest.raises(RuntimeError, match="left state on the device"):
+        footprint.check_offload(not_offloaded)

@@ -16,7 +16,8 @@ JOB_FILE = "scripts/slurm/ch3_train.sbatch"
 STUB = """#!/bin/sh
 echo "ARGS $*"
 echo "ENV host=$(hostname) OMP_NUM_THREADS=$OMP_NUM_THREADS NCCL_DEBUG=$NCCL_DEBUG \
-NCCL_DEBUG_SUBSYS=$NCCL_DEBUG_SUBSYS TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+NCCL_DEBUG_SUBSYS=$NCCL_DEBUG_SUBSYS TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE \
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 """
 
 
@@ -65,7 +66,8 @@ def test_the_job_file_follows_the_allocation_by_default(slurm, tmp_path, stub_pa
     assert a[a.index("--checkpoint-dir") + 1].endswith(f"/runs/slurm/ckpt-{job}")  # keyed by the job id
     assert a[-4:] == ["--model", "tiny", "--max-steps", "7"]  # the words after the file come last and win
     assert all("OMP_NUM_THREADS=2 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET "
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in e for e in envs)
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=30" in e
+               for e in envs)
 
 
 def test_exported_variables_override_the_defaults(slurm, tmp_path, stub_path):

@@ -101,7 +101,7 @@ def test_resume_with_a_resumable_loader_is_bit_identical(tmp_path):
     crashed = run_python(LIGHTNING, *TINY, *config, "--checkpoint-dir", ckpt_dir,
                          "--crash-at-step", 17, check=False)
     assert crashed.returncode != 0
-    assert "fault injection: SIGKILL after step 17" in crashed.stderr
+    assert "fault injection: SIGKILL after step 17" in crashed.output
     metrics = tmp_path / "resumed.jsonl"
     run_python(LIGHTNING, *TINY, *config, "--checkpoint-dir", ckpt_dir, "--resume",
                "--save-final", tmp_path / "resumed.pt", "--metrics", metrics)

@@ -8,12 +8,24 @@ import pytest
 
 from dtbook.launch import launch_python, launch_torchrun
 from dtbook.output_filters import AgentTracebackFilter
+from dtbook.paths import RUNS_DIR
 
 # --- the launcher ---------------------------------------------------------------------------
 
 def test_launcher_raises_on_a_failed_run():
+    # A backend no machine has: --backend nccl failed only without a GPU, and ran on one.
     with pytest.raises(RuntimeError, match="exited with status"):
-        launch_torchrun("ch2_hello_distributed.py", ["--backend", "nccl"], nproc=1, timeout=60, quiet=True)
+        launch_torchrun("ch2_hello_distributed.py", ["--backend", "mpi"], nproc=1, timeout=60, quiet=True)
+
+
+def test_the_shown_command_is_the_one_a_reader_types_and_stream_false_keeps_the_output(capsys):
+    """Variables in front (an unset one with env -u), paths in the repository relative to it."""
+    run = launch_python("ch2_hello_distributed.py", ["--help", RUNS_DIR / "ignored.jsonl"], metrics=False,
+                        env={"MKL_CBWR": "AUTO,STRICT", "DTBOOK_NOT_SET": None}, stream=False, timeout=60)
+    shown = capsys.readouterr().out
+    assert shown.splitlines()[0] == ("$ env -u DTBOOK_NOT_SET MKL_CBWR=AUTO,STRICT python "
+                                     "scripts/ch2_hello_distributed.py --help runs/ignored.jsonl")
+    assert "usage:" in run.output and "usage:" not in shown  # kept, not streamed
 
 
 HANGING_PARENT = """

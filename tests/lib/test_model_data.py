@@ -78,3 +78,12 @@ def test_gpt_ties_its_head_to_the_embedding_and_starts_near_uniform():
 def test_model_sizes_grow():
     counts = [sum(p.numel() for p in GPT(MODEL_SIZES[n]).parameters()) for n in ("tiny", "small", "medium")]
     assert counts == sorted(counts) and len(set(counts)) == 3
+
+
+def test_gpt2_small_has_gpt2_smalls_shape_and_parameter_count():
+    """124,475,904 parameters: what the H100 probe of 2026-11-26 counted for this shape."""
+    cfg = MODEL_SIZES["gpt2-small"]
+    with torch.device("meta"):  # the shape only: no 500 MB of weights on a test machine
+        model = GPT(cfg)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.context) == (12, 12, 768, 1024)
+    assert sum(p.numel() for p in model.parameters()) == 124_475_904

@@ -1,0 +1,169 @@
+"""The GPU results: rendered from the H100's recorded files, and gpu_results.py's refusal without CUDA.
+
+Nothing here needs a GPU; with one, the refusal is checked with the GPUs hidden.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtbook import gpu_report
+from dtbook.metrics import read_metrics
+from support import REPO, load_script, run_python
+
+H100 = REPO / "notebooks" / "appendix" / "gpu_measurements" / "h100_2026-11-26"
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return gpu_report.load(H100)
+
+
+def test_the_precision_table_is_the_probes_log_line_by_line(h100):
+    rows = gpu_report.precision_table(h100).rows
+    logged = [json.loads(line) for line in (H100 / "gpt_scale.log").read_text().splitlines()
+              if line.startswith("{")]
+    assert len(rows) == len(logged) == 8
+    assert [r[2] for r in rows] == [r["mode"] for r in logged]
+    assert [r[3] for r in rows] == [f"{r['step_ms']:.1f}" for r in logged]
+    assert rows[-1][:6] == ["gpt2-small (124.5 M)", "16 × 1024", "bf16+compile", "35.9", "456,495", "39.7%"]
+
+
+def test_the_same_rows_come_from_gpu_results_own_precision_file(h100, tmp_path):
+    """gpu_results.py writes precision.jsonl; a folder with it renders as the probe's log does."""
+    with open(tmp_path / "precision.jsonl", "w") as out:
+        for record in gpu_report.probe_records(h100.logs["gpt_scale"]):
+            out.write(json.dumps(record) + "\n")
+    shutil.copy(H100 / "provenance.json", tmp_path)
+    again = gpu_report.load(tmp_path)
+    assert gpu_report.precision_table(again).rows == gpu_report.precision_table(h100).rows
+
+
+def test_one_gpu_leaves_the_multi_gpu_tables_empty_and_says_why(h100):
+    for table in gpu_report.SEVERAL_GPUS:
+        assert table(h100).rows == [[gpu_report.NEEDS_TWO_GPUS] + [""] * (len(table(h100).header) - 1)]
+    two = gpu_report.Measured(H100, {**h100.provenance, "gpu_count": 2}, h100.files, h100.logs)
+    assert gpu_report.overlap_table(two).rows[0][0] == "not measured: its run failed"
+
+
+def test_the_offload_row_of_a_run_without_host_counts_is_marked_not_measured(h100):
+    table = gpu_report.footprint_table(h100)
+    assert [r[0] for r in table.rows][-1] == "fsdp2_offload"
+    assert "**not measured**" in table.note
+    # The control: a run that recorded host memory apart shows it, and needs no such note.
+    records = [dict(r) for r in h100.files["ch4_footprint"]]
+    for r in records:
+        if r["event"] == "footprint":
+            offload = r["config"] == "fsdp2_offload"
+            host = {"params": 482_304 * offload, "grads": 0, "optimizer": 964_608 * offload}
+            r["ranks"] = [{**r["ranks"][0], "host": host}]
+    split = gpu_report.Measured(H100, h100.provenance, {"ch4_footprint": records}, {})
+    table = gpu_report.footprint_table(split)
+    assert table.note == "" and table.rows[-1][-1] == "1.38 MiB"
+
+
+def test_the_snapshot_summary_comes_from_the_logged_segsum(h100):
+    rows = dict(gpu_report.snapshot_table(h100).rows)
+    assert (rows["segments (segsum)"], rows["reserved (segsum)"]) == ("46", "206.0MiB")
+
+
+def test_every_table_renders_under_the_runs_provenance(h100):
+    page = gpu_report.render(h100)
+    assert page.startswith("Measured on 1 × NVIDIA H100 80GB HBM3, driver 580.159.04, torch 2.11.0+cu130")
+    assert page.count("**") // 2 >= len(gpu_report.ONE_GPU + gpu_report.SEVERAL_GPUS)
+
+
+def test_the_script_renders_a_recorded_folder_without_a_gpu(tmp_path):
+    folder = tmp_path / "h100"
+    shutil.copytree(H100, folder)
+    done = run_python("gpu_results.py", "--render", folder, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert (folder / "tables.md").read_text() == gpu_report.render(gpu_report.load(H100))
+    assert "| gpt2-small (124.5 M) | 16 × 1024 | bf16+compile | 35.9 |" in done.output
+
+
+def test_the_script_refuses_a_machine_without_cuda_in_one_line():
+    done = run_python("gpu_results.py", env={"CUDA_VISIBLE_DEVICES": ""}, check=False, timeout=120)
+    assert done.returncode == 2
+    assert done.output.strip().splitlines() == [done.output.strip()]  # one line
+    assert done.output.startswith("error: no CUDA GPU here")
+
+
+def test_a_snapshot_summary_recorded_in_the_metrics_is_preferred_to_the_log(h100):
+    event = {"event": "cuda_snapshot", "allocated": [1 << 20, 3 << 20], "segments": 2,
+             "reserved_bytes": 4 << 20, "allocated_bytes": 3 << 20, "free_bytes": 1 << 20}
+    run = gpu_report.Measured(H100, h100.provenance, {"ch1_memory": [event]}, h100.logs)
+    rows = dict(gpu_report.snapshot_table(run).rows)
+    assert rows["segments (allocator segments)"] == "2"
+    assert rows["free (allocator segments)"] == "1.00 MiB"
+    assert rows["peak allocated during the step (memory_viz curve)"] == "3.00 MiB"
+    assert "segments (segsum)" not in rows
+
+
+def test_the_gpu_scripts_plan_mfu_peaks_and_launch_lines():
+    script = load_script("gpu_results.py")
+    assert script.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert script.peak_flops("NVIDIA H100 PCIe") == 756e12  # not the SXM part's peak
+    assert script.peak_flops("Tesla T4") is None  # no peak known: MFU left out, not guessed
+    plan = {name: processes for name, _, processes, _ in script.one_gpu_runs(H100, 1)}
+    assert plan["ch1_memory"] == 0 and plan["ch4_footprint"] == 1  # python, torchrun on 1 GPU
+    several = script.several_gpu_runs(4)
+    assert {name for name, *_ in several} == {"ch2_bandwidth", "ch3_overlap", "ch4_fsdp_multi"}
+    assert all(processes == 4 and "nccl" in args for _, args, processes, _ in several)
+    line = script.command(["ch3_train.py", "--max-steps", 40], 2, H100 / "m.jsonl")
+    assert line[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert line[-4:] == ["--max-steps", "40", "--metrics", str(H100 / "m.jsonl")]
+
+
+@pytest.fixture
+def pretend_h100(monkeypatch):
+    """gpu_results.py on pretend CUDA: each run 'writes' the H100's recorded file of its name."""
+    script = load_script("gpu_results.py")
+    cuda = script.torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    probe = {(r["model"], r["mode"]): r for r in gpu_report.probe_records((H100 / "gpt_scale.log").read_text())}
+    monkeypatch.setattr(script, "precision_step", lambda size, batch, mode: {
+        k: v for k, v in probe[size, mode].items() if k != "event"})
+
+    def replay(argv, cap_s, log):
+        metrics = Path(argv[argv.index("--metrics") + 1])
+        recorded = H100 / metrics.name
+        if recorded.exists():
+            shutil.copy(recorded, metrics)
+        return 0, 1.0
+
+    monkeypatch.setattr(script, "run_capped", replay)
+    return script
+
+
+def test_a_run_writes_a_folder_that_renders_as_the_recorded_one(pretend_h100, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["gpu_results.py", "--out", str(out)])
+    pretend_h100.main()
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert (provenance["gpu"], provenance["gpu_count"]) == ("NVIDIA H100 80GB HBM3", 1)
+    assert {"driver", "torch", "date", "commit"} <= provenance.keys()
+    runs = [r for r in read_metrics(out / "runs.jsonl") if r["event"] == "run"]
+    assert [r["status"] for r in runs] == [0] * 9  # one GPU: no multi-GPU runs planned
+    made, recorded = gpu_report.load(out), gpu_report.load(H100)
+    for table in gpu_report.ONE_GPU:
+        if table is not gpu_report.snapshot_table:  # its totals were in the old run's log only
+            assert table(made).rows == table(recorded).rows, table.__name__
+    assert gpu_report.snapshot_table(made).rows[0] == gpu_report.snapshot_table(recorded).rows[0]
+    assert (out / "tables.md").read_text() == gpu_report.render(made)
+
+
+def test_a_spent_budget_skips_runs_and_says_so(pretend_h100, tmp_path, monkeypatch):
+    clock = iter(range(0, 10**6, 100))  # every look at the clock: 100 s later
+    monkeypatch.setattr(pretend_h100.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(sys, "argv", ["gpu_results.py", "--out", str(tmp_path / "run"), "--budget-s", "450"])
+    pretend_h100.main()
+    statuses = [r["status"] for r in read_metrics(tmp_path / "run" / "runs.jsonl")]
+    skipped = [r for r in read_metrics(tmp_path / "run" / "precision.jsonl") if "error" in r]
+    assert "skipped: budget spent" in statuses and skipped
+    rendered = gpu_report.precision_table(gpu_report.load(tmp_path / "run")).rows
+    assert rendered[-1][3] == "skipped: budget spent"
