@@ -6,6 +6,9 @@ import importlib.util
 import shlex
 import sys
 
+import pytest
+
+from dtbook.cli import ScriptError
 from dtbook.launch import RunResult, launch_python, launch_torchrun
 from dtbook.paths import REPO_ROOT as REPO  # noqa: F401  (the tests import it from here)
 from dtbook.paths import SCRIPTS_DIR as SCRIPTS
@@ -69,3 +72,13 @@ def run_in_process(script: str, *args, monkeypatch) -> int:
     except SystemExit as exit_:
         return exit_.code
     raise AssertionError(f"{script} {args} did not exit: it was expected to fail before init_process_group")
+
+
+def assert_inputs_checked(program, args, world: int, problem: str | None) -> None:
+    """``program.check_inputs(args, world)`` accepts, or refuses with one line naming ``problem``."""
+    if problem is None:
+        program.check_inputs(args, world)
+        return
+    with pytest.raises(ScriptError, match=problem) as refused:
+        program.check_inputs(args, world)
+    assert "\n" not in str(refused.value)

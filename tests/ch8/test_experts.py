@@ -11,9 +11,8 @@ import argparse
 
 import pytest
 
-from dtbook.cli import ScriptError
 from dtbook.metrics import read_metrics
-from support import load_script, run_python
+from support import assert_inputs_checked, load_script, run_python
 
 SCRIPT = "ch8_experts.py"
 
@@ -33,12 +32,7 @@ def program():
 ])
 def test_experts_must_spread_evenly_and_skew_is_a_share(program, experts, skew, world, problem):
     args = argparse.Namespace(experts=experts, skew=skew)
-    if problem is None:
-        program.check_inputs(args, world)
-        return
-    with pytest.raises(ScriptError, match=problem) as refused:
-        program.check_inputs(args, world)
-    assert "\n" not in str(refused.value)
+    assert_inputs_checked(program, args, world, problem)
 
 
 def test_a_world_of_one_holds_every_expert_and_matches_even_without_the_sum(tmp_path):

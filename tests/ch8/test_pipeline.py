@@ -14,9 +14,8 @@ import argparse
 
 import pytest
 
-from dtbook.cli import ScriptError
 from dtbook.metrics import read_metrics
-from support import load_script, run_python
+from support import assert_inputs_checked, load_script, run_python
 
 SCRIPT = "ch8_pipeline.py"
 
@@ -42,12 +41,7 @@ def namespace(model="medium", batch_size=16, microbatches=(1, 2, 4, 8), drop_sen
     (namespace(drop_send=0, timeout=5), 4, None),
 ])
 def test_inputs_that_cannot_be_cut_evenly_are_refused(program, args, world, problem):
-    if problem is None:
-        program.check_inputs(args, world)
-        return
-    with pytest.raises(ScriptError, match=problem) as refused:
-        program.check_inputs(args, world)
-    assert "\n" not in str(refused.value)
+    assert_inputs_checked(program, args, world, problem)
 
 
 def test_a_world_of_one_is_one_stage_and_every_schedule_equals_the_reference(tmp_path):

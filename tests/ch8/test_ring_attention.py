@@ -11,9 +11,8 @@ import argparse
 
 import pytest
 
-from dtbook.cli import ScriptError
 from dtbook.metrics import read_metrics
-from support import load_script, run_python
+from support import assert_inputs_checked, load_script, run_python
 
 SCRIPT = "ch8_ring_attention.py"
 
@@ -27,12 +26,7 @@ SCRIPT = "ch8_ring_attention.py"
 def test_the_sequence_must_cut_into_equal_blocks(seq_len, world, problem):
     program = load_script(SCRIPT)
     args = argparse.Namespace(seq_len=seq_len)
-    if problem is None:
-        program.check_inputs(args, world)
-        return
-    with pytest.raises(ScriptError, match=problem) as refused:
-        program.check_inputs(args, world)
-    assert "\n" not in str(refused.value)
+    assert_inputs_checked(program, args, world, problem)
 
 
 def test_a_world_of_one_is_plain_causal_attention(tmp_path):
