@@ -26,6 +26,7 @@ fsdp1_full, fsdp1_grad_op, fsdp1_no_shard.
 
 import argparse
 import gc
+import warnings
 import weakref
 
 import torch
@@ -56,6 +57,10 @@ CONFIGS = ["ddp", "zero1", "fsdp2_full", "fsdp2_grad_op", "fsdp2_root_only", "fs
 HOST = torch.device("cpu")
 FSDP1_STRATEGIES = {"full": ShardingStrategy.FULL_SHARD, "grad_op": ShardingStrategy.SHARD_GRAD_OP,
                     "no_shard": ShardingStrategy.NO_SHARD}
+# NO_SHARD is measured on purpose, as FSDP1's stand-in for DDP. torch deprecates it (use DDP) with
+# two warnings per rank and per call, which would bury the table the page reads.
+warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")
+warnings.filterwarnings("ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``")
 
 
 class LiveMemory(TorchDispatchMode):

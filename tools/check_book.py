@@ -114,6 +114,23 @@ def html_problems(html_dir: Path, entries: list[str]) -> list[str]:
 # window the theme's code blocks hold 85 characters (measured in Chromium; the browser
 # check in tests/pipeline/test_browser.py measures the real pages).
 LISTING_WIDTH = 85
+# A code cell tagged hide-input sits in the toggle's frame, 20 pixels narrower: 83 characters.
+HIDDEN_INPUT_WIDTH = 83
+
+# Pages whose code was written before the width rule (chapters 4 and 5): each still has code
+# cells or listings wider than the page. They are excused as whole pages until their chapter is
+# wrapped to LISTING_WIDTH, as every other chapter is; remove a page here once
+# `listing_problems` reports nothing for it. The browser test applies every other check to them.
+NOT_YET_WRAPPED = {
+    "book/ch4_fsdp",
+    *(f"notebooks/ch4_fsdp/{n}" for n in (
+        "01_from_ddp_to_fsdp", "02_sharding_by_hand", "03_running_fsdp", "04_memory_measured",
+        "05_sharded_checkpoints", "06_pitfalls")),
+    "book/ch5_clusters",
+    *(f"notebooks/ch5_clusters/{n}" for n in (
+        "01_cluster_in_a_box", "02_communication_on_a_slow_link", "03_slurm_and_preemption",
+        "04_elastic_and_hangs")),
+}
 
 
 def _fenced_blocks(markdown: str) -> list[tuple[str, str]]:
@@ -149,34 +166,41 @@ def _pyobject_lines(source: str, name: str) -> list[str] | None:
     return None
 
 
-def listing_problems(notebook: Path, width: int = LISTING_WIDTH) -> list[str]:
-    """Code a notebook shows (code cells, fenced blocks, literalincludes) wider than ``width``."""
-    nb = json.loads(notebook.read_text())
+def listing_problems(page: Path, width: int = LISTING_WIDTH) -> list[str]:
+    """Code a page shows (code cells, fenced blocks, literalincludes) wider than ``width``.
+
+    ``page`` is a notebook or a markdown page, which counts as one markdown cell.
+    """
+    if page.suffix == ".md":
+        cells = [{"cell_type": "markdown", "source": page.read_text()}]
+    else:
+        cells = json.loads(page.read_text()).get("cells", [])
     problems = []
 
-    def check(where: str, lines: list[str]) -> None:
+    def check(where: str, lines: list[str], limit: int = width) -> None:
         for line in lines:
-            if len(line) > width:
-                problems.append(f"{notebook.name}: {where}: {len(line)} characters: {line.strip()[:60]}")
+            if len(line) > limit:
+                problems.append(f"{page.name}: {where}: {len(line)} characters: {line.strip()[:60]}")
 
-    for number, cell in enumerate(nb.get("cells", []), 1):
+    for number, cell in enumerate(cells, 1):
         source = "".join(cell.get("source", ""))
         if cell.get("cell_type") == "code":
-            check(f"cell {number}", source.splitlines())
+            hidden = "hide-input" in cell.get("metadata", {}).get("tags", [])
+            check(f"cell {number}", source.splitlines(), min(width, HIDDEN_INPUT_WIDTH) if hidden else width)
             continue
         for info, body in _fenced_blocks(source):
             if not info.startswith("{literalinclude}"):
                 if not info.startswith("{"):
                     check(f"cell {number} code block", body.splitlines())
                 continue
-            target = (notebook.parent / info.split(None, 1)[1].strip()).resolve()
+            target = (page.parent / info.split(None, 1)[1].strip()).resolve()
             options = dict(line.strip()[1:].split(": ", 1) for line in body.splitlines()
                            if line.strip().startswith(":") and ": " in line)
             text = target.read_text()
             if "pyobject" in options:
                 shown = _pyobject_lines(text, options["pyobject"])
                 if shown is None:
-                    problems.append(f"{notebook.name}: cell {number}: no {options['pyobject']} in {target.name}")
+                    problems.append(f"{page.name}: cell {number}: no {options['pyobject']} in {target.name}")
                     continue
             else:
                 shown = text.splitlines()

@@ -58,9 +58,9 @@ def test_the_refusal_is_one_line_and_exit_2_before_any_process_group():
     done = run_python(SCRIPT, "--model", "tiny", env={"WORLD_SIZE": "4", "RANK": "0"},
                       check=False, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip().count("\n") == 0, done.stderr
-    assert "error: the tiny model's 2 attention heads do not split over 4" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.output.strip().count("\n") == 0, done.output
+    assert "error: the tiny model's 2 attention heads do not split over 4" in done.output
+    assert "Traceback" not in done.output
 
 
 def test_a_world_of_one_splits_nothing_so_even_the_controls_agree(tmp_path):

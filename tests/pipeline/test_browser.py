@@ -9,6 +9,7 @@ from urllib.parse import urljoin
 import pytest
 
 from build_book import resolve_entry, toc_entries
+from check_book import NOT_YET_WRAPPED
 from support import REPO
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -25,32 +26,6 @@ KNOWN_CONSOLE_NOISE = (
 # The window a reader on a laptop has: code shown on a page must fit it without scrolling.
 VIEWPORT = {"width": 1366, "height": 768}
 
-# Code blocks known to be wider than the page at VIEWPORT, each waiting for its owner to wrap
-# it: (page, text in the block's caption or first line) -> whose it is. Remove entries once fixed.
-KNOWN_WIDE_CODE = {
-    ("notebooks/ch3_ddp/06_checkpointing_and_resuming", "scripts/slurm/ch3_train.sbatch"):
-        "the cluster chapter's job script (issue #7, item 5)",
-    ("book/setup", "make book"): "the getting-started page",
-    ("book/setup", "make venv"): "the getting-started page",
-    ("book/setup", ".venv/bin/torchrun --standalone"): "the getting-started page",
-}
-
-# Pages whose code was written before the width rule (chapters 4 and 5): each still has code
-# cells or listings wider than the page, measured by this test on 2026-11-26 (12 pages). They are
-# excused as whole pages until their chapter is wrapped to 85 columns, as chapters 1-3, 6 and 7 are;
-# remove a page here once `check_book.listing_problems` reports nothing for it. Every other check of
-# this test still applies to them.
-NOT_YET_WRAPPED = {
-    "book/ch4_fsdp",
-    *(f"notebooks/ch4_fsdp/{n}" for n in (
-        "01_from_ddp_to_fsdp", "02_sharding_by_hand", "03_running_fsdp", "04_memory_measured",
-        "05_sharded_checkpoints", "06_pitfalls")),
-    "book/ch5_clusters",
-    *(f"notebooks/ch5_clusters/{n}" for n in (
-        "01_cluster_in_a_box", "02_communication_on_a_slow_link", "03_slurm_and_preemption",
-        "04_elastic_and_hangs")),
-}
-
 # Every code block a reader sees (cell inputs, listings, fenced code), not cell outputs; each as
 # its caption, its first line, and how much wider its content is than its box.
 WIDE_CODE_JS = """() => Array.from(document.querySelectorAll('div.highlight pre'))
@@ -58,7 +33,7 @@ WIDE_CODE_JS = """() => Array.from(document.querySelectorAll('div.highlight pre'
     .filter(pre => pre.scrollWidth > pre.clientWidth + 1)
     .map(pre => ({
         caption: pre.closest('.literal-block-wrapper')?.querySelector('.caption-text')?.innerText ?? '',
-        first: (pre.innerText.split('\\n').find(line => line.trim()) ?? '').slice(0, 70),
+        first: (pre.textContent.split('\\n').find(line => line.trim()) ?? '').slice(0, 70),
         overflow: pre.scrollWidth - pre.clientWidth}))"""
 
 CHROMIUM_ARGS = [
@@ -99,27 +74,13 @@ def browser():
 
 
 def too_wide(entry: str, blocks: list[dict]) -> list[dict]:
-    """The blocks that overflow their box, except those KNOWN_WIDE_CODE excuses on this page."""
-    if entry in NOT_YET_WRAPPED:
-        return []
-    excused = [text for (page, text) in KNOWN_WIDE_CODE if page == entry]
-    return [b for b in blocks if not any(text in b["caption"] or b["first"].startswith(text)
-                                         for text in excused)]
+    """The blocks that overflow their box, unless the page is one NOT_YET_WRAPPED excuses."""
+    return [] if entry in NOT_YET_WRAPPED else blocks
 
 
 def test_pages_excused_from_the_width_rule_are_pages_of_the_book():
     """A renamed or removed page must leave the list, so that it can only shrink."""
     assert NOT_YET_WRAPPED <= set(toc_entries(REPO / "_toc.yml"))
-
-
-def test_too_wide_excuses_only_the_listed_blocks_on_their_pages():
-    sbatch = {"caption": "scripts/slurm/ch3_train.sbatch", "first": "#!/bin/bash", "overflow": 40}
-    cell = {"caption": "", "first": "x = 1", "overflow": 3}
-    make = {"caption": "", "first": "make book   # create .venv", "overflow": 9}
-    assert too_wide("notebooks/ch3_ddp/06_checkpointing_and_resuming", [sbatch, cell]) == [cell]
-    assert too_wide("book/intro", [sbatch, make]) == [sbatch, make]
-    assert too_wide("book/setup", [make, cell]) == [cell]
-    assert too_wide("notebooks/ch4_fsdp/06_pitfalls", [sbatch, cell]) == []
 
 
 @pytest.mark.parametrize("entry", toc_entries(REPO / "_toc.yml"))
