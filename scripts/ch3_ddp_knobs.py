@@ -238,13 +238,15 @@ def compare_accumulation(s: Session) -> None:
         all_reduces = len(log.calls)
         grads = grads_of(ddp)
         optimizer.zero_grad()
-        step_ms = s.median_step_ms(optimizer_step, s.args.steps)
+        times = s.step_times_ms(optimizer_step, s.args.steps)
+        step_ms = statistics.median(times)
         results[skip_sync] = grads
         mode = "no_sync" if skip_sync else "sync every micro-batch"
         buckets = len(bucket_sizes(ddp))
         s.record("accumulation", mode=mode, accum_steps=accum,
                  batch_size=s.args.batch_size, buckets=buckets,
-                 all_reduces_per_optimizer_step=all_reduces, step_ms=step_ms)
+                 all_reduces_per_optimizer_step=all_reduces, step_ms=step_ms,
+                 step_ms_all=times)
         s.say(f"{mode:>24}: {all_reduces} all-reduce call(s) per optimizer step, "
               f"{buckets} bucket(s), {step_ms:.1f} ms per optimizer step")
     # The control is the classic mistake: every micro-batch inside no_sync, the last
@@ -395,7 +397,8 @@ def compare_options(s: Session) -> None:
         ddp, optimizer = s.build_ddp(s.args.model, **options)
         ddp.register_comm_hook(log, logged_hook)
         step = s.training_step(ddp, optimizer)
-        step_ms = s.median_step_ms(step, s.args.steps)
+        times = s.step_times_ms(step, s.args.steps)
+        step_ms = statistics.median(times)
 
         # One more backward, then ask of every gradient: is its memory in a bucket?
         log.calls.clear()
@@ -416,7 +419,7 @@ def compare_options(s: Session) -> None:
         reference = reference or weights
         difference = max_difference(reference, weights)
         memory = bucket_bytes + separate_bytes
-        s.record("options", config=name, step_ms=step_ms,
+        s.record("options", config=name, step_ms=step_ms, step_ms_all=times,
                  grads_in_buckets=sum(inside), params=len(inside),
                  grad_bytes=grad_bytes, bucket_bytes=bucket_bytes,
                  gradient_memory_bytes=memory, max_weight_difference=difference)

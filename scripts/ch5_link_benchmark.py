@@ -85,6 +85,12 @@ def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
+def median_and_quartiles(ms: list[float]) -> dict[str, float]:
+    """The median step and the p25-p75 spread that any difference between settings must beat."""
+    p25, _, p75 = statistics.quantiles(ms, n=4)
+    return {"step_ms": statistics.median(ms), "p25_ms": p25, "p75_ms": p75}
+
+
 def build(args, device, **ddp_options):
     """A fresh DDP model from the same seed, and its optimizer."""
     torch.manual_seed(args.seed)
@@ -171,9 +177,8 @@ def run_buckets(args, device, batches, report) -> None:
              for cap, (ddp, opt) in models.items()}
     times = time_in_turns(steps, args.steps, args.warmup, device)
     for cap, ms in times.items():
-        p25, _, p75 = statistics.quantiles(ms, n=4)  # the spread the curve must beat
         report("buckets", bucket_cap_mb=cap, buckets=len(layouts[cap]),
-               step_ms=statistics.median(ms), p25_ms=p25, p75_ms=p75)
+               **median_and_quartiles(ms))
 
 
 def exposed_ms(waits: list[float], warmup: int, device) -> float:
@@ -256,9 +261,9 @@ def run_compression(args, device, batches, report) -> None:
         warm_layout(ddp, optimizer, data)
     steps = {name: partial(train_step, ddp, opt, data)
              for name, (ddp, opt) in models.items()}
-    times = median_ms(time_in_turns(steps, args.steps, args.warmup, device))
+    times = time_in_turns(steps, args.steps, args.warmup, device)
     for name, ms in times.items():
-        report("compression", hook=name, step_ms=ms,
+        report("compression", hook=name, **median_and_quartiles(ms),
                bytes_per_element=4 if name == "none" else 2)
 
 
