@@ -91,9 +91,11 @@ time.sleep(600)
 
 
 def reader_signals() -> None:
-    """SIGINT as in a reader's terminal: a test run started in the background (``make test &``)
-    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """Signals as in a reader's terminal: a test run started in the background (``make test &``)
+    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt; under ``nohup`` it
+    inherits SIGHUP ignored, and the lab then rightly leaves that signal alone."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def start_owner(how: str):
