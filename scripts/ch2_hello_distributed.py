@@ -19,9 +19,9 @@ from dtbook.cli import ScriptError, add_backend_and_metrics, run_main, script_pa
 from dtbook.distributed import (
     choose_backend,
     drain_gloo_workers,
+    fill_in_launch_variables,
     open_metrics,
     process_group_device,
-    use_single_process_defaults,
 )
 
 
@@ -33,7 +33,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
+    fill_in_launch_variables()
     backend, device = choose_backend(args.backend)
 
     # torchrun exported RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; "env://"

@@ -36,7 +36,7 @@ from dtbook.cli import (
     script_parser,
 )
 from dtbook.comm_timing import synchronize
-from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
+from dtbook.distributed import choose_backend, drain_gloo_workers, fill_in_launch_variables, open_metrics
 from dtbook.ports import free_port
 
 
@@ -227,7 +227,7 @@ def late_barrier(late_rank: int, late_by_s: float) -> tuple[float, str | None]:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
+    fill_in_launch_variables()
     backend, device = choose_backend(args.backend)
     timeout = datetime.timedelta(seconds=args.timeout_s)
     join_s = join(args.init_method, backend, device, timeout)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, run_main, script_parser
-from dtbook.distributed import choose_backend, drain_gloo_workers, open_metrics, use_single_process_defaults
+from dtbook.distributed import choose_backend, drain_gloo_workers, fill_in_launch_variables, open_metrics
 
 # The variables torchrun sets for every worker (TORCHELASTIC_* ones are collected too).
 LAUNCH_VARIABLES = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -41,7 +41,7 @@ def main() -> None:
     launched = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     launched.update({k: v for k, v in os.environ.items()
                      if k.startswith("TORCHELASTIC_")})
-    use_single_process_defaults()  # python without a launcher: a world of one
+    fill_in_launch_variables()  # no torchrun: srun's task, or a world of one
     backend, device = choose_backend(args.backend)
     # device_id binds the process to its GPU: NCCL creates its communicator right
     # here (a broken setup fails now, not in the first collective), barrier() knows

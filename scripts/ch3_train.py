@@ -71,9 +71,9 @@ from dtbook.distributed import (
     choose_backend,
     ddp_device_ids,
     drain_gloo_workers,
+    fill_in_launch_variables,
     open_metrics,
     process_group_device,
-    use_single_process_defaults,
 )
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.progress import Progress
@@ -344,7 +344,9 @@ def summarize(args, model, metrics, step: int, progress: Progress) -> None:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
+    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT;
+    # without it: from Slurm's task variables under srun, else a world of one.
+    fill_in_launch_variables()
     # Also pins MKL's GEMM code path, so the same command gives the same bits
     # every time (dtbook/reproducibility.py): kill-and-resume ends torch.equal.
     backend, device = choose_backend(args.backend)
@@ -360,7 +362,7 @@ def main() -> None:
     steps_per_epoch = len(dataset) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch
 
-    # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; env:// reads them.
+    # env:// reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
     dist.init_process_group(backend=backend, init_method="env://",
                             device_id=process_group_device(device))
     metrics = open_metrics(args.metrics, backend, device)

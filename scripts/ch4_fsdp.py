@@ -89,9 +89,9 @@ from dtbook.data import DEFAULTS, corpus_windows, rank_loader
 from dtbook.distributed import (
     choose_backend,
     drain_gloo_workers,
+    fill_in_launch_variables,
     open_metrics,
     process_group_device,
-    use_single_process_defaults,
 )
 from dtbook.model import GPT, MODEL_SIZES, Block
 from dtbook.progress import Progress
@@ -536,7 +536,7 @@ def summarize(args, model, metrics, step: int, progress: Progress, device) -> No
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
+    fill_in_launch_variables()
     backend, device = choose_backend(args.backend)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = MODEL_SIZES[args.model]

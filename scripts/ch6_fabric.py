@@ -77,8 +77,8 @@ from dtbook.data import DEFAULTS, corpus_windows, rank_loader
 from dtbook.distributed import (
     choose_backend,
     drain_gloo_workers,
+    fill_in_launch_variables,
     open_metrics,
-    use_single_process_defaults,
 )
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.progress import Progress
@@ -350,7 +350,7 @@ def summarize(args, model, metrics, step: int, progress: Progress) -> None:
 
 def main() -> None:
     args = parse_args()
-    use_single_process_defaults()
+    fill_in_launch_variables()
     # Also pins MKL's GEMM code path, so the same command gives the same bits
     # every time (dtbook/reproducibility.py): kill-and-resume ends torch.equal.
     backend, device = choose_backend(args.backend)

@@ -1,7 +1,8 @@
 """Backend and device choice, and process-group set-up, the same way in every companion script.
 
 ``auto`` means NCCL with one GPU per local process where there are enough GPUs, else gloo on the
-CPU. Run without a launcher, a script becomes a world of one, so ``python script.py`` works too.
+CPU. Run without a launcher, a script becomes a world of one, so ``python script.py`` works too;
+started by Slurm's ``srun`` as one task per process, it takes its rank from Slurm's variables.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import datetime
 import os
 import platform
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -49,16 +51,61 @@ def choose_backend(requested: str = "auto") -> tuple[str, torch.device]:
     return backend, device
 
 
-def use_single_process_defaults() -> None:
-    """Let ``python script.py`` (no launcher) run as a world of one.
+def fill_in_launch_variables() -> None:
+    """Set the variables torchrun gives its workers, where torchrun did not start us.
 
-    torchrun sets these variables; without it we fill in the same ones so the script's
-    ``init_process_group`` call works unchanged.
+    Started by torchrun, nothing changes. Started by Slurm's ``srun`` as one task per
+    process, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE come from Slurm's task
+    variables (``slurm_task_variables``). Started alone (``python script.py``), the
+    process is a world of one. Either way ``init_process_group`` works unchanged.
     """
     if "RANK" in os.environ:
         return
+    if "SLURM_STEP_ID" in os.environ:  # a task of an srun job step
+        os.environ.update(slurm_task_variables(os.environ))
+        return
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def slurm_task_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables for a process that ``srun`` started as a task of a step.
+
+    srun numbers the step's tasks: SLURM_PROCID (0 to SLURM_NTASKS - 1) over all
+    nodes, and SLURM_LOCALID on this node, whose tasks SLURM_GTIDS lists in that
+    order. It names no meeting point: the job file exports MASTER_ADDR (the first
+    host of the allocation, where rank 0 hosts the store) and MASTER_PORT. Variables
+    that disagree are refused in one line: a guessed rank would hang, or train alone.
+    """
+    def number(name: str) -> int:
+        value = env.get(name, "")
+        if not value.isdigit():
+            raise ScriptError(f"srun sets {name} for every task, but here it is "
+                              f"{value or 'unset'}: start the program with srun")
+        return int(value)
+
+    rank, world = number("SLURM_PROCID"), number("SLURM_NTASKS")
+    local_rank = number("SLURM_LOCALID")
+    local_tasks = [t for t in env.get("SLURM_GTIDS", str(rank)).split(",") if t]
+    if not rank < world:
+        raise ScriptError(f"SLURM_PROCID {rank} is not a task of the {world} that "
+                          "SLURM_NTASKS counts")
+    if local_rank >= len(local_tasks) or local_tasks[local_rank] != str(rank):
+        raise ScriptError(f"SLURM_PROCID {rank} with SLURM_LOCALID {local_rank} is "
+                          "not one of this node's tasks (SLURM_GTIDS "
+                          f"{','.join(local_tasks)})")
+    missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if not env.get(n)]
+    if missing and world > 1:
+        names, verb, them = (missing[0], "is", "it") if len(missing) == 1 else \
+            (" and ".join(missing), "are", "them")
+        raise ScriptError(f"srun started {world} tasks but {names} {verb} not set: "
+                          f"export {them} in the job file (the first host of "
+                          "SLURM_JOB_NODELIST, a free port)")
+    meeting = {"MASTER_ADDR": env.get("MASTER_ADDR") or "127.0.0.1",
+               "MASTER_PORT": env.get("MASTER_PORT") or str(free_port())}
+    return {"RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(len(local_tasks)),
+            **meeting}
 
 
 def start_process_group(requested: str = "auto", timeout_s: float | None = None) -> tuple[str, torch.device]:
@@ -67,7 +114,7 @@ def start_process_group(requested: str = "auto", timeout_s: float | None = None)
     ``timeout_s`` bounds every collective: one that can never complete raises instead of hanging for
     the default 10 (NCCL) or 30 (gloo) minutes.
     """
-    use_single_process_defaults()
+    fill_in_launch_variables()
     backend, device = choose_backend(requested)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, init_method="env://", timeout=timeout,

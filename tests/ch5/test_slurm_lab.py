@@ -1,7 +1,8 @@
 """Slurm on the cluster lab: two idle nodes, one task per namespace, and the job file's defaults.
 
-The cluster starts once for the module. The job-file tests replace torchrun with a stub that prints
-what it was given, so they check the file's arithmetic and overrides without starting PyTorch.
+The cluster starts once for the module. The job-file tests replace torchrun (python, for the srun
+job file) with a stub that prints what it was given, so they check the file's arithmetic and
+overrides without training.
 """
 
 import os
@@ -10,6 +11,7 @@ import stat
 import pytest
 
 from dtbook.cluster_lab import ClusterLab
+from dtbook.distributed import slurm_task_variables
 from dtbook.slurm_lab import SlurmLab
 
 JOB_FILE = "scripts/slurm/ch3_train.sbatch"
@@ -94,3 +96,41 @@ def test_labs_side_by_side_never_share_a_job_id(now):
         assert slot * span < first and first + 100_000 <= (slot + 1) * span
     assert first_job_id(SLOTS - 1, now) + 100_000 <= slurm_max_job_id
     assert first_job_id(0, now + 1) != first_job_id(0, now)  # a later lab, other ids
+
+
+SRUN_FILE = "scripts/slurm/ch3_train_srun.sbatch"
+# In place of python: each task prints what Slurm and the job file gave it, and its arguments.
+TASK_VARIABLES = ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_GTIDS",
+                  "MASTER_ADDR", "MASTER_PORT")
+PYTHON_STUB = f"""#!/bin/sh
+echo "TASK host=$(hostname) {' '.join(f'{n}=${n}' for n in TASK_VARIABLES)}"
+echo "ARGS $*"
+"""
+
+
+def test_the_srun_job_file_gives_each_task_a_rank(slurm, tmp_path):
+    """Slurm's real task variables, two tasks on each node, through the translation that
+    every script's start-up makes: every rank once, local ranks per node, the first host
+    as the meeting point."""
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(PYTHON_STUB)
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    job = slurm.submit(SRUN_FILE, ["--model", "tiny"],
+                       options=["--gpus-per-node=0", "--ntasks-per-node=2", "--cpus-per-task=1",
+                                f"--output={tmp_path}/%j.out"],
+                       env={"PATH": f"{stub.parent}:{slurm.env['PATH']}", "MASTER_PORT": "29733"})
+    slurm.wait(job, timeout=120)
+    out = (tmp_path / f"{job}.out").read_text()
+    given = [dict(field.split("=", 1) for field in line.split()[1:])
+             for line in out.splitlines() if line.startswith("TASK")]
+    tasks = sorted(({"host": env["host"], **slurm_task_variables(env)} for env in given),
+                   key=lambda t: int(t["RANK"]))
+    assert [(t["host"], t["RANK"], t["LOCAL_RANK"]) for t in tasks] == [
+        ("node0", "0", "0"), ("node0", "1", "1"), ("node1", "2", "0"), ("node1", "3", "1")], out
+    assert {(t["WORLD_SIZE"], t["LOCAL_WORLD_SIZE"], t["MASTER_ADDR"], t["MASTER_PORT"])
+            for t in tasks} == {("4", "2", "node0", "29733")}
+    args = [line.split()[1:] for line in out.splitlines() if line.startswith("ARGS")]
+    assert len(args) == 4 and all(a[0] == "scripts/ch3_train.py" and a[-2:] == ["--model", "tiny"]
+                                  for a in args)
+    assert args[0][args[0].index("--checkpoint-dir") + 1].endswith(f"/runs/slurm/ckpt-{job}")

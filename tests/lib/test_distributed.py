@@ -10,9 +10,9 @@ from dtbook.cli import ScriptError
 from dtbook.distributed import (
     choose_backend,
     ddp_device_ids,
+    fill_in_launch_variables,
     require_gpu_for,
     start_process_group,
-    use_single_process_defaults,
 )
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -93,7 +93,7 @@ def test_without_a_launcher_the_world_has_one_process(monkeypatch):
         # leaking into this process would reach every script that the rest of the suite starts.
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    use_single_process_defaults()
+    fill_in_launch_variables()
 
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
     assert 0 < int(os.environ["MASTER_PORT"]) < 65536
@@ -102,7 +102,7 @@ def test_without_a_launcher_the_world_has_one_process(monkeypatch):
 def test_a_launchers_variables_are_left_alone(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    use_single_process_defaults()
+    fill_in_launch_variables()
 
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("3", "4")
 
