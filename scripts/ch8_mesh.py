@@ -80,7 +80,7 @@ def build_model(cfg, mesh: DeviceMesh, seed: int) -> Stage:
     stage's blocks (with pp 1 the one stage is the whole model, its head tied to
     the embedding)."""
     torch.manual_seed(seed)
-    gpt = GPT(cfg)
+    gpt = GPT(cfg).to(mesh.device_type)
     if mesh["tp"].size() > 1:
         dtensor_parallel(gpt, mesh["tp"])  # section 8.2's plan, on this tp group
     pp, stage_index = pipeline_position(mesh)
@@ -155,7 +155,8 @@ def full_weights(model, tp: int) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         if name == "head.weight":
             continue
-        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        full = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+        full = full.cpu()  # compared on rank 0, whatever the device
         weights[name] = heads_in_model_order(full, tp) if ".qkv." in name else full
     return weights
 
@@ -173,7 +174,7 @@ def reference_training(cfg, dp_batches, args) -> list[dict[str, torch.Tensor]]:
     """One process, the whole global batch (every dp slice) each step: its weights after
     every step."""
     torch.manual_seed(args.seed)
-    model = GPT(cfg)
+    model = GPT(cfg).to(dp_batches[0][0][0].device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     snapshots = []
     for step_batches in zip(*dp_batches, strict=True):
@@ -182,7 +183,8 @@ def reference_training(cfg, dp_batches, args) -> list[dict[str, torch.Tensor]]:
         model(x, y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        snapshots.append({n: p.detach().clone().cpu()
+                          for n, p in model.named_parameters()})
     return snapshots
 
 
