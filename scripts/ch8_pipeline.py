@@ -30,8 +30,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -44,33 +42,7 @@ from dtbook.compare import training_gap
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
-
-
-class Stage(nn.Module):
-    """Blocks ``first`` to ``last - 1`` of a GPT; the first stage embeds, the last
-    one ends in the head; parameters keep the GPT's names (blocks.2.qkv.weight)."""
-
-    def __init__(self, gpt: GPT, first: int, last: int):
-        super().__init__()
-        self.is_first, self.is_last = first == 0, last == len(gpt.blocks)
-        if self.is_first:
-            self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
-        self.blocks = nn.ModuleDict({str(i): gpt.blocks[i]
-                                     for i in range(first, last)})
-        if self.is_last:
-            self.ln_f, self.head = gpt.ln_f, gpt.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:  # x: tokens
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(pos)
-        for block in self.blocks.values():
-            x = block(x)
-        return self.head(self.ln_f(x)) if self.is_last else x
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+from dtbook.pipeline import Stage, loss_fn
 
 
 class Clock:

@@ -31,11 +31,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.collectives import CollectiveLog
@@ -43,6 +38,7 @@ from dtbook.compare import training_gap
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES, Block
+from dtbook.tensor_parallel import dtensor_parallel, shard, unshard
 
 
 class CopyToParallel(torch.autograd.Function):
@@ -80,19 +76,6 @@ class ReduceFromParallel(torch.autograd.Function):
 # (q, k, v); each is split by heads, so rank r keeps [q_r; k_r; v_r]. The rest is replicated.
 SPLITS = {"qkv.weight": (0, 3), "qkv.bias": (0, 3), "mlp.0.weight": (0, 1),
           "mlp.0.bias": (0, 1), "proj.weight": (1, 1), "mlp.2.weight": (1, 1)}
-
-
-def shard(full: torch.Tensor, dim: int, parts: int, rank: int,
-          world: int) -> torch.Tensor:
-    """Rank ``rank``'s 1/world of each of the ``parts`` parts of ``full``."""
-    pieces = full.chunk(parts, dim)
-    return torch.cat([p.chunk(world, dim)[rank] for p in pieces], dim)
-
-
-def unshard(shards: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
-    """The inverse of ``shard``: every rank's piece of every part, back in place."""
-    pieces = [s.chunk(parts, dim) for s in shards]
-    return torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim)
 
 
 class TensorParallelBlock(nn.Module):
@@ -134,32 +117,6 @@ class TensorParallelBlock(nn.Module):
 def hand_parallel(model: GPT, reduce_backward: bool = True) -> GPT:
     """The model with every block replaced by its tensor-parallel version."""
     model.blocks = nn.ModuleList(TensorParallelBlock(b, reduce_backward) for b in model.blocks)
-    return model
-
-
-def heads_grouped_by_rank(model: GPT, world: int) -> None:
-    """Reorder each fused qkv's rows to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...].
-
-    ColwiseParallel gives rank r the r-th contiguous chunk of rows; in the original
-    order [q | k | v] that would be all of q and half of k. After this reordering
-    rank r's chunk is exactly TensorParallelBlock's shard, and the Block's own
-    forward (qkv.chunk(3)) stays right.
-    """
-    with torch.no_grad():
-        for block in model.blocks:
-            for tensor in (block.qkv.weight, block.qkv.bias):
-                pieces = [shard(tensor, 0, 3, r, world) for r in range(world)]
-                tensor.copy_(torch.cat(pieces))
-
-
-def dtensor_parallel(model: GPT, mesh, group_heads: bool = True) -> GPT:
-    """The same split with PyTorch's API: a plan per block, parallelize_module."""
-    if group_heads:  # False only in the control run
-        heads_grouped_by_rank(model, mesh.size())
-    plan = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(),
-            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
-    for block in model.blocks:
-        parallelize_module(block, mesh, plan)
     return model
 
 
