@@ -13,13 +13,26 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
     storage = tensor.untyped_storage()
     return storage.device, storage.data_ptr()
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data: a DTensor's local shard, say.
+
+    A wrapper subclass (DTensor) has no storage of its own; what it keeps in memory is
+    the tensors it wraps, which ``__tensor_flatten__`` names.
+    """
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = (getattr(tensor, name) for name in names)  # DTensor names its mesh too
+    return [t for x in inner if isinstance(x, torch.Tensor) for t in _plain_tensors(x)]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -57,19 +70,41 @@ class SavedTensors:
     but parameters are counted as parameters: ``exclude`` them. The hook cannot see
     memory kept outside autograd's nodes, such as the cache of selective activation
     checkpointing; MemTracker (torch.distributed._tools.mem_tracker) sees that too.
+
+    ``regions`` names groups of modules (``{"norms": [block.ln1, block.ln2]}``): what
+    is saved while one of them runs its forward counts for that region, the rest for
+    ``"other"`` (``bytes_by_region()``). A DTensor counts the local shard it wraps.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._excluded = {_storage_key(t) for t in exclude}
-        self.storages: dict[tuple, tuple[int, torch.dtype]] = {}
+    def __init__(self, exclude: Iterable[torch.Tensor] = (),
+                 regions: dict[str, Iterable[torch.nn.Module]] | None = None):
+        self._excluded = {_storage_key(p) for t in exclude for p in _plain_tensors(t)}
+        self.storages: dict[tuple, tuple[int, torch.dtype, str]] = {}
+        self._regions = {name: list(modules) for name, modules in (regions or {}).items()}
+        self._region = "other"
+        self._handles = []
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self._excluded:
-            self.storages[key] = (tensor.untyped_storage().nbytes(), tensor.dtype)
+        for plain in _plain_tensors(tensor):
+            key = _storage_key(plain)
+            if key not in self._excluded and key not in self.storages:
+                self.storages[key] = (plain.untyped_storage().nbytes(), plain.dtype,
+                                      self._region)
         return tensor
 
+    def _enter_region(self, name: str):
+        def hook(*_):
+            self._region = name
+        return hook
+
+    def _leave_region(self, *_) -> None:
+        self._region = "other"
+
     def __enter__(self) -> SavedTensors:
+        for name, modules in self._regions.items():
+            for module in modules:
+                self._handles += [module.register_forward_pre_hook(self._enter_region(name)),
+                                  module.register_forward_hook(self._leave_region)]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
             self._pack, lambda t: t)
         self._hooks.__enter__()
@@ -77,16 +112,26 @@ class SavedTensors:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     @property
     def bytes(self) -> int:
-        return sum(size for size, _ in self.storages.values())
+        return sum(size for size, _, _ in self.storages.values())
 
     def bytes_by_dtype(self) -> dict[str, int]:
         totals: dict[str, int] = {}
-        for size, dtype in self.storages.values():
+        for size, dtype, _ in self.storages.values():
             name = str(dtype).removeprefix("torch.")
             totals[name] = totals.get(name, 0) + size
+        return totals
+
+    def bytes_by_region(self) -> dict[str, int]:
+        """Bytes saved per region (a storage counts where it was first saved)."""
+        totals = dict.fromkeys([*self._regions, "other"], 0)
+        for size, _, region in self.storages.values():
+            totals[region] += size
         return totals
 
 
