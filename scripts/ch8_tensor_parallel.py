@@ -52,7 +52,7 @@ from dtbook.collectives import CollectiveLog
 from dtbook.compare import training_gap
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
-from dtbook.measure import SavedTensors
+from dtbook.measure import SavedTensorsByRegion
 from dtbook.model import GPT, MODEL_SIZES, Block
 
 
@@ -438,8 +438,8 @@ def main() -> None:
     for name, (make, finish) in versions_to_run(args, mesh).items():
         model = make(copy.deepcopy(reference))
         norms = [m for b in model.blocks for m in (b.ln1, b.ln2)]
-        with CollectiveLog() as log, SavedTensors(exclude=model.parameters(),
-                                                  regions={"norms": norms}) as saved:
+        with CollectiveLog() as log, SavedTensorsByRegion(
+                {"norms": norms}, model.parameters()) as saved:
             logits, loss = step(model, x, y, finish)
         grads[name], outputs[name] = full_gradients(model), logits
         collectives = log.summary()

@@ -70,41 +70,21 @@ class SavedTensors:
     but parameters are counted as parameters: ``exclude`` them. The hook cannot see
     memory kept outside autograd's nodes, such as the cache of selective activation
     checkpointing; MemTracker (torch.distributed._tools.mem_tracker) sees that too.
-
-    ``regions`` names groups of modules (``{"norms": [block.ln1, block.ln2]}``): what
-    is saved while one of them runs its forward counts for that region, the rest for
-    ``"other"`` (``bytes_by_region()``). A DTensor counts the local shard it wraps.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = (),
-                 regions: dict[str, Iterable[torch.nn.Module]] | None = None):
-        self._excluded = {_storage_key(p) for t in exclude for p in _plain_tensors(t)}
-        self.storages: dict[tuple, tuple[int, torch.dtype, str]] = {}
-        self._regions = {name: list(modules) for name, modules in (regions or {}).items()}
-        self._region = "other"
-        self._handles = []
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        plain = [p for t in exclude for p in _plain_tensors(t)]
+        self._excluded = {_storage_key(p) for p in plain}
+        self.storages: dict[tuple, tuple[int, torch.dtype]] = {}
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        for plain in _plain_tensors(tensor):
+        for plain in _plain_tensors(tensor):  # a DTensor: its local shard
             key = _storage_key(plain)
-            if key not in self._excluded and key not in self.storages:
-                self.storages[key] = (plain.untyped_storage().nbytes(), plain.dtype,
-                                      self._region)
+            if key not in self._excluded:
+                self.storages[key] = (plain.untyped_storage().nbytes(), plain.dtype)
         return tensor
 
-    def _enter_region(self, name: str):
-        def hook(*_):
-            self._region = name
-        return hook
-
-    def _leave_region(self, *_) -> None:
-        self._region = "other"
-
     def __enter__(self) -> SavedTensors:
-        for name, modules in self._regions.items():
-            for module in modules:
-                self._handles += [module.register_forward_pre_hook(self._enter_region(name)),
-                                  module.register_forward_hook(self._leave_region)]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
             self._pack, lambda t: t)
         self._hooks.__enter__()
@@ -112,26 +92,66 @@ class SavedTensors:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
     @property
     def bytes(self) -> int:
-        return sum(size for size, _, _ in self.storages.values())
+        return sum(size for size, _ in self.storages.values())
 
     def bytes_by_dtype(self) -> dict[str, int]:
         totals: dict[str, int] = {}
-        for size, dtype, _ in self.storages.values():
+        for size, dtype in self.storages.values():
             name = str(dtype).removeprefix("torch.")
             totals[name] = totals.get(name, 0) + size
         return totals
 
+
+class SavedTensorsByRegion(SavedTensors):
+    """``SavedTensors``, split by where each storage was saved: while one of the named
+    groups of modules ran its forward, or elsewhere (``"other"``).
+
+        norms = [m for block in model.blocks for m in (block.ln1, block.ln2)]
+        with SavedTensorsByRegion({"norms": norms}, model.parameters()) as saved:
+            loss = model(x, y)
+        saved.bytes_by_region()  # {"norms": ..., "other": ...}
+
+    Forward pre- and post-hooks on the modules say which region is running; a storage
+    counts where it was first saved.
+    """
+
+    def __init__(self, regions: dict[str, Iterable[torch.nn.Module]],
+                 exclude: Iterable[torch.Tensor] = ()):
+        super().__init__(exclude)
+        self._regions = {name: list(modules) for name, modules in regions.items()}
+        self.region_of: dict[tuple, str] = {}
+        self._region, self._handles = "other", []
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for plain in _plain_tensors(tensor):
+            self.region_of.setdefault(_storage_key(plain), self._region)
+        return super()._pack(tensor)
+
+    def _enter(self, region: str):
+        def hook(*_):
+            self._region = region
+        return hook
+
+    def __enter__(self) -> SavedTensorsByRegion:
+        for name, modules in self._regions.items():
+            for module in modules:
+                self._handles += [module.register_forward_pre_hook(self._enter(name)),
+                                  module.register_forward_hook(self._enter("other"))]
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
     def bytes_by_region(self) -> dict[str, int]:
-        """Bytes saved per region (a storage counts where it was first saved)."""
         totals = dict.fromkeys([*self._regions, "other"], 0)
-        for size, _, region in self.storages.values():
-            totals[region] += size
+        for key, (size, _) in self.storages.items():
+            totals[self.region_of[key]] += size
         return totals
 
 

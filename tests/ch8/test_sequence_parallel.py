@@ -6,7 +6,7 @@ to one process, the collectives and bytes of a step against the formulas, the La
 activations exactly 1/N. Here: windows that do not cut into N equal parts refused in one line;
 a batch of one, where the slice of a rank's tokens is a contiguous view of the whole sequence
 (only a copy keeps the saving); a world of one, where the collectives are called but move
-nothing and even the control agrees; the regions of dtbook.measure.SavedTensors.
+nothing and even the control agrees; dtbook.measure.SavedTensorsByRegion.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dtbook.measure import SavedTensors
+from dtbook.measure import SavedTensorsByRegion
 from dtbook.metrics import read_metrics
 from support import assert_inputs_checked, load_script, run_in_process, run_python, run_torchrun
 
@@ -51,14 +51,16 @@ def test_saved_tensors_count_each_region_apart():
     norm, linear = nn.LayerNorm(8), nn.Linear(8, 4)
     x = torch.randn(3, 5, 8)
     params = [*norm.parameters(), *linear.parameters()]
-    with SavedTensors(exclude=params, regions={"norms": [norm]}) as saved:
+    with SavedTensorsByRegion({"norms": [norm]}, params) as saved:
         linear(norm(x)).sum().backward()
     assert saved.bytes_by_region() == {"norms": (3 * 5 * 8 + 2 * 3 * 5) * 4,
                                        "other": 3 * 5 * 8 * 4}
-    # Without the region everything counts as "other": the split is the hooks', not the sizes'.
-    with SavedTensors(exclude=params) as whole:
+    # With no module in the region everything counts as "other": the split is the hooks'.
+    with SavedTensorsByRegion({"norms": []}, params) as whole:
         linear(norm(x)).sum().backward()
-    assert whole.bytes_by_region() == {"other": saved.bytes}
+    assert whole.bytes_by_region() == {"norms": 0, "other": saved.bytes}
+    # The hooks are gone afterwards: the LayerNorm runs with none.
+    assert not norm._forward_pre_hooks and not norm._forward_hooks
 
 
 def test_a_batch_of_one_still_saves_one_nth_in_the_layernorms(tmp_path):
