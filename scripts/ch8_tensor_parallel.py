@@ -256,6 +256,19 @@ def all_reduce_sequence_grads(model: GPT) -> None:
         grad.copy_(summed.view_as(grad))
 
 
+def sgd_update(model: GPT) -> dict[str, torch.Tensor]:
+    """What one SGD step (lr 1) changes in the weights used on t/N tokens.
+
+    With DTensor their gradients are Partial: the update itself must sum them.
+    """
+    weights = sequence_weights(model)
+    whole = [p.to_local() if isinstance(p, DTensor) else p for p in weights]  # Replicate
+    before = [w.detach().clone() for w in whole]
+    torch.optim.SGD(weights, lr=1.0).step()
+    pairs = enumerate(zip(before, whole, strict=True))
+    return {str(i): b - w.detach() for i, (b, w) in pairs}
+
+
 def heads_grouped_by_rank(model: GPT, world: int) -> None:
     """Reorder each fused qkv's rows to [q_0 k_0 v_0 | q_1 k_1 v_1 | ...].
 
@@ -430,6 +443,7 @@ def main() -> None:
     ref_model = copy.deepcopy(reference)
     ref_logits, ref_loss = step(ref_model, x, y)
     ref_grads = {name: p.grad for name, p in ref_model.named_parameters()}
+    ref_update = sgd_update(ref_model) if args.sequence_parallel else None
 
     mesh = None
     if args.api in ("dtensor", "both"):
@@ -453,6 +467,8 @@ def main() -> None:
                   "saved_bytes": saved.bytes_by_region(),
                   "params_per_rank": sum(p.to_local().numel() if isinstance(p, DTensor)
                                          else p.numel() for p in model.parameters())}
+        if args.sequence_parallel:  # after the step: do the weights move as one process's?
+            record["update_gap"] = training_gap(sgd_update(model), ref_update)
         if name == "dtensor":
             record["placements"] = placements(model)
             record["partial_sum"] = partial_sum_demo(model, mesh, ref_logits[..., :cfg.n_embd])

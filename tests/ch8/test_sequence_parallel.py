@@ -89,7 +89,7 @@ def test_a_world_of_one_cuts_nothing_so_even_the_control_agrees(tmp_path):
     assert list(records) == ["tensor parallel", "sequence parallel",
                              "control: LayerNorm grads not summed", "dtensor sequence parallel"]
     for r in records.values():
-        assert r["logits_gap"] <= 1e-6 and r["grad_gap"] <= 1e-6, r
+        assert max(r["logits_gap"], r["grad_gap"], r["update_gap"]) <= 1e-6, r
         assert all(row["traffic_bytes"] == 0 for row in r["collectives"].values())
         assert r["saved_bytes"] == records["tensor parallel"]["saved_bytes"]
     counts = {op: row["count"] for op, row in records["sequence parallel"]["collectives"].items()}
