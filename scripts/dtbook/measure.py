@@ -13,13 +13,26 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:
     storage = tensor.untyped_storage()
     return storage.device, storage.data_ptr()
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data: a DTensor's local shard, say.
+
+    A wrapper subclass (DTensor) has no storage of its own; what it keeps in memory is
+    the tensors it wraps, which ``__tensor_flatten__`` names.
+    """
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = (getattr(tensor, name) for name in names)  # DTensor names its mesh too
+    return [t for x in inner if isinstance(x, torch.Tensor) for t in _plain_tensors(x)]
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -60,13 +73,15 @@ class SavedTensors:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._excluded = {_storage_key(t) for t in exclude}
+        plain = [p for t in exclude for p in _plain_tensors(t)]
+        self._excluded = {_storage_key(p) for p in plain}
         self.storages: dict[tuple, tuple[int, torch.dtype]] = {}
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self._excluded:
-            self.storages[key] = (tensor.untyped_storage().nbytes(), tensor.dtype)
+        for plain in _plain_tensors(tensor):  # a DTensor: its local shard
+            key = _storage_key(plain)
+            if key not in self._excluded:
+                self.storages[key] = (plain.untyped_storage().nbytes(), plain.dtype)
         return tensor
 
     def __enter__(self) -> SavedTensors:
@@ -87,6 +102,56 @@ class SavedTensors:
         for size, dtype in self.storages.values():
             name = str(dtype).removeprefix("torch.")
             totals[name] = totals.get(name, 0) + size
+        return totals
+
+
+class SavedTensorsByRegion(SavedTensors):
+    """``SavedTensors``, split by where each storage was saved: while one of the named
+    groups of modules ran its forward, or elsewhere (``"other"``).
+
+        norms = [m for block in model.blocks for m in (block.ln1, block.ln2)]
+        with SavedTensorsByRegion({"norms": norms}, model.parameters()) as saved:
+            loss = model(x, y)
+        saved.bytes_by_region()  # {"norms": ..., "other": ...}
+
+    Forward pre- and post-hooks on the modules say which region is running; a storage
+    counts where it was first saved.
+    """
+
+    def __init__(self, regions: dict[str, Iterable[torch.nn.Module]],
+                 exclude: Iterable[torch.Tensor] = ()):
+        super().__init__(exclude)
+        self._regions = {name: list(modules) for name, modules in regions.items()}
+        self.region_of: dict[tuple, str] = {}
+        self._region, self._handles = "other", []
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for plain in _plain_tensors(tensor):
+            self.region_of.setdefault(_storage_key(plain), self._region)
+        return super()._pack(tensor)
+
+    def _enter(self, region: str):
+        def hook(*_):
+            self._region = region
+        return hook
+
+    def __enter__(self) -> SavedTensorsByRegion:
+        for name, modules in self._regions.items():
+            for module in modules:
+                self._handles += [module.register_forward_pre_hook(self._enter(name)),
+                                  module.register_forward_hook(self._enter("other"))]
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def bytes_by_region(self) -> dict[str, int]:
+        totals = dict.fromkeys([*self._regions, "other"], 0)
+        for key, (size, _) in self.storages.items():
+            totals[self.region_of[key]] += size
         return totals
 
 

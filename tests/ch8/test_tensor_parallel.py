@@ -48,7 +48,7 @@ def test_a_rank_keeps_the_q_k_and_v_rows_of_its_own_heads(program):
     ("small", 1, None),
 ])
 def test_a_world_size_must_divide_the_heads(program, model, world, problem):
-    args = argparse.Namespace(model=model)
+    args = argparse.Namespace(model=model, seq_len=None, sequence_parallel=False)
     assert_inputs_checked(program, args, world, problem)
 
 
