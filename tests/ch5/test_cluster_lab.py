@@ -143,3 +143,17 @@ def test_tbf_bucket_holds_a_millisecond_at_the_rate_and_at_least_one_segment():
     assert tbf_parameters(0.1)[4] == str(64 * 1024)
     with pytest.raises(ValueError):
         ClusterLab(nodes=0)
+
+
+def test_an_interface_the_peer_cannot_reach_is_a_named_error_on_every_node():
+    """5.4's hangs between hosts, the slow case, kept here so the book stays within its time:
+    `lo` exists on every node, so the rendezvous (through node0's address) succeeds, but each
+    worker announces 127.0.0.1 and its peer knocks on its own loopback. gloo's full-mesh connect
+    then fails on both nodes (after its own connect timeout, about 30 s), instead of hanging."""
+    from dtbook.launch import launch_torchrun_nodes
+
+    with ClusterLab(nodes=2, rate_gbit=1.0) as lab:
+        wrong = launch_torchrun_nodes("ch5_cluster_check.py", ["--timeout", 5], lab=lab, check=False,
+                                      env={"GLOO_SOCKET_IFNAME": "lo"}, quiet=True, timeout=300)
+    assert len(wrong.returncodes) == 2 and all(code != 0 for code in wrong.returncodes)
+    assert wrong.output.count("connectFullMesh failed") >= 2, wrong.output[-2000:]
