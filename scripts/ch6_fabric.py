@@ -350,6 +350,8 @@ def summarize(args, model, metrics, step: int, progress: Progress) -> None:
 
 def main() -> None:
     args = parse_args()
+    # torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT;
+    # without it: from Slurm's task variables under srun, else a world of one.
     fill_in_launch_variables()
     # Also pins MKL's GEMM code path, so the same command gives the same bits
     # every time (dtbook/reproducibility.py): kill-and-resume ends torch.equal.

@@ -87,7 +87,7 @@ def test_a_straggler_is_named_after_two_flagged_checks_in_a_row(program, capsys)
 def test_another_slow_rank_is_named_only_after_its_fault(tmp_path):
     """Rank 2 of 3, delayed from step 13: two checks before (nobody named), two after (named)."""
     metrics = tmp_path / "m.jsonl"
-    run_torchrun(SCRIPT, "--steps", "24", "--every", "6", "--slow-rank", "2", "--slow-ms", "100",
+    run_torchrun(SCRIPT, "--steps", "24", "--every", "6", "--slow-rank", "2", "--slow-ms", "400",
                  "--slow-from-step", "13", "--metrics", metrics, nproc=3, timeout=180)
     records = read_metrics(metrics)
     checks = [r for r in records if r["event"] == "check"]
