@@ -3,7 +3,7 @@
 The notebook launches 3 processes, rank 1's forward delayed from the middle of the run on, and
 asserts that rank 1 is flagged in every check after the fault and named a straggler, and nobody
 before it. Here: the inputs refused in one line; the rule and the verdict in process (a rank just
-under the factor, one unlucky window, two ranks of two); and another rank of 3 found.
+under the factor, one unlucky window, two ranks of two).
 """
 
 import argparse
