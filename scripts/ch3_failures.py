@@ -4,6 +4,7 @@
     TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun ... --failure mismatched-collective   # names the mismatch
     torchrun ... --failure mismatched-collective --fixed
     torchrun ... --failure stuck-rank                  # monitored_barrier names the rank that is late
+    torchrun ... --failure stuck-rank --barrier-timeout 1   # ... after waiting 1 s, not --timeout
     torchrun ... --failure unused-parameter            # DDP's error ...
     torchrun ... --failure unused-parameter --find-unused-parameters    # ... and two ways out
     torchrun ... --failure unused-parameter --static-graph
@@ -51,6 +52,7 @@ FAILURES = ["mismatched-collective", "stuck-rank", "unused-parameter", "rank-see
 # Which failure each optional flag belongs to: a flag given to another failure is refused.
 FLAG_OWNERS = {
     "fixed": "mismatched-collective",
+    "barrier_timeout": "stuck-rank",
     "find_unused_parameters": "unused-parameter",
     "static_graph": "unused-parameter",
     "model_seed": "rank-seed",
@@ -71,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fixed", action="store_true",
                         help="mismatched-collective: every rank joins the all_reduce")
+    parser.add_argument("--barrier-timeout", type=positive_float, default=None,
+                        help="stuck-rank: seconds monitored_barrier waits (default: --timeout)")
     parser.add_argument("--find-unused-parameters", action="store_true",
                         help="unused-parameter: DDP(find_unused_parameters=True)")
     parser.add_argument("--static-graph", action="store_true", help="unused-parameter: DDP(static_graph=True)")
@@ -149,15 +153,21 @@ def stuck_rank(args, device: torch.device) -> None:
     A plain barrier would only say that it timed out; monitored_barrier says which
     rank is missing. It exists for gloo only, so on NCCL we create a gloo group for
     it, a collective that every rank makes.
+
+    The barrier's own timeout covers only the wait for the late rank, not the
+    forming of the group, so it can be shorter than --timeout without risk.
     """
     on_gloo = dist.get_backend() == "gloo"
     monitor_group = None if on_gloo else dist.new_group(backend="gloo")
+    wait_s = args.barrier_timeout or args.timeout
     if dist.get_rank() == 1:
+        # Late by far more than the barrier waits, so a busy machine cannot
+        # let it arrive in time; torchrun stops it once rank 0 has failed.
         say(f"stuck for {3 * args.timeout:g} s")
         time.sleep(3 * args.timeout)
     say("waiting in monitored_barrier")
     dist.monitored_barrier(group=monitor_group,
-                           timeout=datetime.timedelta(seconds=args.timeout))
+                           timeout=datetime.timedelta(seconds=wait_s))
     say("passed the barrier")
 
 

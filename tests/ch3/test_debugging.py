@@ -4,10 +4,11 @@ Every failing run is bounded twice: by the script's process-group timeout (--tim
 subprocess timeout here, so a regression that turns an error back into a hang fails the test instead
 of stalling the suite.
 
-The book's run of notebooks/ch3_ddp/03_debugging.ipynb asserts every failure it shows and every
-fix (mismatched collectives with and without DETAIL and the fixed version, the monitored barrier,
-uneven inputs and join, unused parameters with find_unused_parameters and static_graph, the
-benchmark of the three settings, the rank-seed runs, the bad record): none of those is launched
+The book's runs of notebooks/ch3_ddp/03_hangs.ipynb (mismatched collectives with and without
+DETAIL and the fixed version, the monitored barrier, uneven inputs and join) and
+notebooks/ch3_ddp/04_silent_failures.ipynb (unused parameters with find_unused_parameters and
+static_graph, the benchmark of the three settings, DDP under DETAIL, the rank-seed runs, the bad
+record, the busy port) assert every failure they show and every fix: none of those is launched
 again here. What is tested below is what the page cannot show: the script's flag checks.
 """
 
@@ -24,6 +25,8 @@ LIMIT = 90  # seconds any single run may take before the test fails
     ("args", "message"),
     [
         (["--failure", "rank-seed", "--fixed"], "--fixed applies only to --failure mismatched-collective"),
+        (["--failure", "uneven-inputs", "--barrier-timeout", "1"],
+         "--barrier-timeout applies only to --failure stuck-rank"),
         (["--failure", "unused-parameter", "--find-unused-parameters", "--static-graph"],
          "choose one of --find-unused-parameters and --static-graph"),
         (["--failure", "mismatched-collective"], "needs at least 2 processes"),
