@@ -45,6 +45,20 @@ class RunResult:
     def records(self, event: str) -> list[dict]:
         return [m for m in self.metrics if m.get("event") == event]
 
+    def show(self, *needles: str, width: int = 150) -> None:
+        """Say how the run ended, then print each distinct output line holding one of the needles.
+
+        A failing run prints a traceback per rank and torchrun's summary; this picks out the lines
+        that tell the story, each cut to ``width`` characters. ``output`` still holds everything.
+        """
+        print(f"exit status {self.returncode} after {self.seconds:.1f} s, "
+              f"{len(self.output.splitlines())} lines of output")
+        shown = set()
+        for line in self.output.splitlines():
+            if any(needle in line for needle in needles) and line not in shown:
+                shown.add(line)
+                print(line if len(line) <= width else line[:width] + " …")
+
 
 def launch_torchrun(
     script: str,

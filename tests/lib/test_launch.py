@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dtbook.launch import launch_python, launch_torchrun
+from dtbook.launch import RunResult, launch_python, launch_torchrun
 from dtbook.output_filters import AgentTracebackFilter
 from dtbook.paths import RUNS_DIR
 
@@ -110,3 +110,11 @@ def test_filter_leaves_a_workers_own_traceback_alone():
     worker = ["Traceback (most recent call last):\n", '  File "scripts/x.py", line 3, in <module>\n',
               "ValueError: the reader's bug\n"]
     assert filtered(worker) == worker
+
+
+def test_show_says_how_the_run_ended_and_prints_each_matching_line_once(capsys):
+    long_line = "c x" + "y" * 20
+    run = RunResult(command=[], returncode=1, output=f"a x\nb\na x\n{long_line}\n", seconds=2.04)
+    run.show("x", width=10)
+    assert capsys.readouterr().out.splitlines() == [
+        "exit status 1 after 2.0 s, 4 lines of output", "a x", long_line[:10] + " …"]
