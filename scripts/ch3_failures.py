@@ -8,6 +8,7 @@
     torchrun ... --failure unused-parameter            # DDP's error ...
     torchrun ... --failure unused-parameter --find-unused-parameters    # ... and two ways out
     torchrun ... --failure unused-parameter --static-graph
+    torchrun ... --failure unused-parameter --both-fixes   # the two ways out above, in one launch
     torchrun ... --failure rank-seed                   # replicas drift apart
     torchrun ... --failure rank-seed --model-seed shared
     torchrun ... --failure rank-seed --ddp             # DDP hides it for parameters only
@@ -55,6 +56,7 @@ FLAG_OWNERS = {
     "barrier_timeout": "stuck-rank",
     "find_unused_parameters": "unused-parameter",
     "static_graph": "unused-parameter",
+    "both_fixes": "unused-parameter",
     "model_seed": "rank-seed",
     "ddp": "rank-seed",
     "all_variants": "rank-seed",
@@ -78,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--find-unused-parameters", action="store_true",
                         help="unused-parameter: DDP(find_unused_parameters=True)")
     parser.add_argument("--static-graph", action="store_true", help="unused-parameter: DDP(static_graph=True)")
+    parser.add_argument("--both-fixes", action="store_true",
+                        help="unused-parameter: run --find-unused-parameters, then --static-graph")
     parser.add_argument("--model-seed", choices=["per-rank", "shared"], default=None,
                         help="rank-seed: seed the model with seed+rank (the bug, default) or with seed on every rank")
     parser.add_argument("--ddp", action="store_true",
@@ -95,6 +99,8 @@ def parse_args() -> argparse.Namespace:
             raise ScriptError(f"--{flag.replace('_', '-')} applies only to --failure {owner}")
     if args.find_unused_parameters and args.static_graph:
         raise ScriptError("choose one of --find-unused-parameters and --static-graph, not both")
+    if args.both_fixes and (args.find_unused_parameters or args.static_graph):
+        raise ScriptError("--both-fixes runs --find-unused-parameters, then --static-graph: give neither")
     if args.all_variants and (args.model_seed or args.ddp):
         raise ScriptError("--all-variants runs every --model-seed with and without --ddp: give none of them")
     args.model_seed = args.model_seed or "per-rank"
@@ -199,7 +205,17 @@ class LanguageModelWithAuxHead(nn.Module):
         return loss
 
 
+def unused_parameter_runs(args) -> list[argparse.Namespace]:
+    """The unused-parameter runs one launch makes: the one its flags ask for, or with --both-fixes each fix."""
+    if not args.both_fixes:
+        return [args]
+    return [argparse.Namespace(**{**vars(args), "find_unused_parameters": walk, "static_graph": not walk})
+            for walk in (True, False)]
+
+
 def unused_parameter(args, device: torch.device, metrics: MetricsWriter) -> None:
+    setting = ("find_unused_parameters" if args.find_unused_parameters
+               else "static_graph" if args.static_graph else "default")
     torch.manual_seed(args.seed)
     model = LanguageModelWithAuxHead(use_aux_loss=False).to(device)
     ddp_model = DDP(model, device_ids=ddp_device_ids(device),
@@ -216,10 +232,12 @@ def unused_parameter(args, device: torch.device, metrics: MetricsWriter) -> None
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        say(f"step {step} loss {loss.item():.3f}")
-        metrics.write(event="step", step=step, loss=loss.item())
+        # The setting in the line tells the runs of one --both-fixes launch apart.
+        say(f"step {step} loss {loss.item():.3f} ({setting})")
+        metrics.write(event="step", setting=setting, step=step, loss=loss.item())
     aux_grad = model.aux_head.weight.grad
-    metrics.write(event="summary", steps=args.steps, aux_head_has_grad=aux_grad is not None)
+    metrics.write(event="summary", setting=setting, steps=args.steps,
+                  aux_head_has_grad=aux_grad is not None)
 
 
 # --------------------------------------------------------------------------
@@ -415,7 +433,8 @@ def main() -> None:
     elif args.failure == "stuck-rank":
         stuck_rank(args, device)
     elif args.failure == "unused-parameter":
-        unused_parameter(args, device, metrics)
+        for run in unused_parameter_runs(args):
+            unused_parameter(run, device, metrics)
     elif args.failure == "rank-seed":
         for run in rank_seed_runs(args):
             if args.all_variants and dist.get_rank() == 0:

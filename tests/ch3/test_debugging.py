@@ -33,6 +33,8 @@ LIMIT = 90  # seconds any single run may take before the test fails
         (["--failure", "uneven-inputs"], "needs at least 2 processes"),
         (["--failure", "bad-record", "--join"], "--join applies only to --failure uneven-inputs"),
         (["--failure", "rank-seed", "--all-variants", "--ddp"], "--all-variants runs every --model-seed"),
+        (["--failure", "unused-parameter", "--both-fixes", "--static-graph"], "--both-fixes runs"),
+        (["--failure", "rank-seed", "--both-fixes"], "--both-fixes applies only to --failure unused-parameter"),
         (["--failure", "rank-seed", "--ddp-own-group"],
          "--ddp-own-group applies only to --failure ddp-under-detail"),
     ],
