@@ -145,6 +145,9 @@ def main() -> None:
     require_gpu_for(args.model, device)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     metrics = open_metrics(args.metrics, backend, device)
+    # DDP's cap on its first bucket when no bucket_cap_mb is given, for comparing the rows' gradients
+    # with it without importing torch where the metrics are read.
+    metrics.write(event="ddp_defaults", first_bucket_bytes=dist._DEFAULT_FIRST_BUCKET_BYTES)
 
     cfg = MODEL_SIZES[args.model]  # the data of ch3_train.py: windows of a synthetic corpus, split by rank
     dataset = corpus_windows(DEFAULTS.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
