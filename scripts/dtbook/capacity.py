@@ -17,7 +17,7 @@ times ``params``, with (w, g, k) bytes per parameter from a ``Recipe``. Two reci
 the same mixed-precision model and both come to 16 bytes per parameter; they split them
 differently, which matters for every stage that shards some of the three and not others:
 
-    FP32_ADAMW         (4, 4, 8)   PyTorch's AMP, the book's recipe (chapter 3.5): autocast
+    FP32_ADAMW         (4, 4, 8)   PyTorch's AMP, the book's recipe (section 3.7): autocast
                                    keeps fp32 weights, DDP all-reduces fp32 gradients, FSDP2
                                    with reduce_dtype=fp32 keeps fp32 shards of both
     BF16_MIXED_ADAMW   (2, 2, 12)  the ZeRO paper's and DeepSpeed's: bf16 weights and

@@ -3,7 +3,7 @@
 See scripts/dtbook/reproducibility.py for the cause (MKL choosing GEMM code paths at run time) and
 scripts/ch3_repeatability.py for the harness. Kill-and-resume bit-exactness is tested in test_train.py.
 Three repeated runs of the harness (one weights hash) are asserted by the quick run of
-notebooks/ch3_ddp/07_reproducibility.ipynb, with the same arguments, so they are not launched again here.
+notebooks/ch3_ddp/09_reproducibility.ipynb, with the same arguments, so they are not launched again here.
 """
 
 import re
