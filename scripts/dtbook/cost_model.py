@@ -188,14 +188,18 @@ def naive_step_seconds(forward_s: float, backward_s: float, optimizer_s: float,
 # ---------------------------------------------------------- model-parallel steps
 
 def tensor_parallel_step_seconds(one_process_s: float, message_bytes: list[int],
-                                 world_size: int, link: AlphaBeta) -> float:
-    """A tensor-parallel step: 1/N of one process's compute, then every all-reduce.
+                                 world_size: int, link: AlphaBeta,
+                                 split: float = 1.0) -> float:
+    """A tensor-parallel step: each rank's share of one process's compute, then every
+    all-reduce.
 
-    Nothing overlaps: each all-reduce sits between two layers that need its result.
-    The replicated parts (embeddings, LayerNorms, the head) are not split, so the
-    compute term is a lower bound; small models, where they weigh most, run slower.
+    ``split`` is the fraction of the compute that is cut over the ranks; the rest
+    (embeddings, LayerNorms, the head) every rank repeats. Nothing overlaps: each
+    all-reduce sits between two layers that need its result.
     """
-    compute = one_process_s / world_size
+    if not 0 <= split <= 1:
+        raise ValueError(f"split is a fraction of the compute, got {split}")
+    compute = one_process_s * (1 - split + split / world_size)
     return compute + sum(link.predict(n, world_size) for n in message_bytes)
 
 

@@ -122,6 +122,13 @@ def test_a_tensor_parallel_step_is_its_share_of_compute_plus_every_all_reduce():
     # Free communication leaves 1/N of the compute; a slower link only adds.
     assert tensor_parallel_step_seconds(0.1, messages, 4, AlphaBeta(0, 0)) == 0.025
     assert tensor_parallel_step_seconds(0.1, messages, 2, AlphaBeta(ALPHA, 10 * BETA)) > step
+    # What is not split, every rank computes whole: 30% replicated on 2 ranks is 65%.
+    free = AlphaBeta(0, 0)
+    assert tensor_parallel_step_seconds(0.1, messages, 2, free, split=0.7) == pytest.approx(
+        0.065, rel=1e-12)
+    assert tensor_parallel_step_seconds(0.1, messages, 2, free, split=0.0) == 0.1
+    with pytest.raises(ValueError, match="fraction of the compute"):
+        tensor_parallel_step_seconds(0.1, messages, 2, free, split=1.5)
 
 
 def test_a_gpipe_step_fills_and_drains_the_pipeline():
