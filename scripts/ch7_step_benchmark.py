@@ -54,7 +54,7 @@ from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.ddp_inspect import bucket_sizes
 from dtbook.distributed import ddp_device_ids, drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
-from dtbook.timing import LastGradientClock, time_in_turns, waited_ms
+from dtbook.timing import LastGradientClock, spread, time_in_turns, waited_ms
 
 
 def parse_args() -> argparse.Namespace:
@@ -136,11 +136,6 @@ def slowest_median_ms(values: list[float], device) -> float:
     median = torch.tensor(statistics.median(values) * 1000, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return median.item()
-
-
-def spread(ms: list[float]) -> dict:
-    p25, p50, p75 = statistics.quantiles(ms, n=4) if len(ms) > 1 else ms * 3
-    return {"median": statistics.median(ms), "p25": p25, "p75": p75}
 
 
 def measure(args, cap: float, batches, device) -> dict:

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
+from dtbook.collectives import CollectiveLog
 from dtbook.compare import training_gap
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.timing import time_in_turns
@@ -110,6 +111,20 @@ class ExpertParallelMoE(nn.Module):
         return out * gate[:, None]
 
 
+def routed_away(layer: ExpertParallelMoE, x: torch.Tensor) -> int:
+    """How many of this rank's tokens the router sends to experts on other ranks."""
+    with torch.no_grad():
+        owner = layer.router(x).argmax(dim=-1) // layer.per_rank
+    return int((owner != dist.get_rank()).sum())
+
+
+def gathered(value) -> list:
+    """``value`` from every rank, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = script_parser(__doc__)
     parser.add_argument("--experts", type=positive_int, default=4,
@@ -158,8 +173,12 @@ def main() -> None:
 
     for name, sum_router in [("expert parallel", True), ("control: router grad unsummed", False)]:
         layer = ExpertParallelMoE(copy.deepcopy(reference))
-        out = layer(everything[mine])
-        loss_of(out, mine).backward()
+        # As inside a model, the layer's input needs its gradient: four exchanges.
+        x = everything[mine].clone().requires_grad_()
+        with CollectiveLog() as log:  # the tokens' bytes, both ways, forward and backward
+            out = layer(x)
+            loss_of(out, mine).backward()
+        moved = [e for e in log.collectives() if e["op"] == "all_to_all"]
         if sum_router:  # every rank's tokens went through the same router
             for p in layer.router.parameters():
                 dist.all_reduce(p.grad)
@@ -174,7 +193,13 @@ def main() -> None:
             grads.update(part)
         record = {"version": name,
                   "output_gap": ((torch.cat(outs) - ref_out).norm() / ref_out.norm()).item(),
-                  "grad_gap": training_gap(grads, ref_grads)}
+                  "grad_gap": training_gap(grads, ref_grads),
+                  # per rank: the token rows only (the routing counts are int64)
+                  "sent_bytes": gathered(sum(e["traffic_bytes"] for e in moved
+                                             if e["dtype"] == "float32")),
+                  "routed_away": gathered(routed_away(layer, everything[mine])),
+                  "params_per_rank": sum(p.numel() for p in layer.parameters()),
+                  "params": sum(p.numel() for p in reference.parameters())}
         metrics.write(event="compare", **record)
         if rank == 0:
             print(f"{name:<30} relative gap: outputs {record['output_gap']:.1e}, "

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 scripts/ch8_pipeline.py
     torchrun --standalone --nproc_per_node=2 scripts/ch8_pipeline.py --microbatches 1 2 4 8
     torchrun --standalone --nproc_per_node=4 scripts/ch8_pipeline.py --model large
+    torchrun --standalone --nproc_per_node=2 scripts/ch8_pipeline.py --time-steps 10
 
 Each rank holds consecutive blocks of the book's GPT, a *stage*: the first stage also embeds the
 tokens, the last one ends in the final LayerNorm and the head. A batch is cut into micro-batches;
@@ -20,12 +21,17 @@ The script runs, on the same weights and the same batch:
    rank) from torch.distributed.pipelining, at the largest micro-batch count.
 
 For each it records the micro-batch losses, the gap of every weight gradient to the reference,
-and the peak bytes of activations saved for backward that a rank held at once.
+and the peak bytes of activations saved for backward that a rank held at once; for the
+hand-written GPipe also the bytes each stage sent. --time-steps N (section 8.8) then times N
+whole GPipe steps at the largest micro-batch count, the tied gradients' all-reduce included,
+without the hooks that count saved bytes: the step's median and spread, and how long one
+micro-batch's forward and backward took on the slowest stage.
 """
 
 import argparse
 import copy
 import os
+import statistics
 import time
 
 import torch
@@ -43,14 +49,17 @@ from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.pipeline import Stage, loss_fn
+from dtbook.timing import spread, time_in_turns
 
 
 class Clock:
     """When this rank's forwards and backwards ran, in seconds of the system's monotonic clock
-    (one clock for every process on the machine, so stages can be drawn side by side)."""
+    (one clock for every process on the machine, so stages can be drawn side by side), and
+    how many bytes its sends carried."""
 
     def __init__(self):
         self.spans: list[tuple[str, int, float, float]] = []
+        self.sent_bytes = 0  # what this stage's sends carried (section 8.8)
 
     def run(self, kind: str, micro: int, fn):
         start = time.perf_counter()
@@ -77,6 +86,7 @@ def gpipe_step(stage: Stage, micro: list[tuple[torch.Tensor, torch.Tensor]],
             losses.append(out.item() * m)
         elif i != drop:
             dist.send(out.detach(), dst=rank + 1)
+            clock.sent_bytes += out.nbytes
         inputs.append(x)
         outputs.append(out)
     for i in reversed(range(m)):
@@ -88,6 +98,7 @@ def gpipe_step(stage: Stage, micro: list[tuple[torch.Tensor, torch.Tensor]],
             clock.run("B", i, lambda i=i, grad=grad: outputs[i].backward(grad))
         if not stage.is_first:
             dist.send(inputs[i].grad, dst=rank - 1)
+            clock.sent_bytes += inputs[i].grad.nbytes
     return losses
 
 
@@ -189,6 +200,28 @@ def split_stages(model: GPT, pieces: int, indices: list[int]) -> list[Stage]:
     return [Stage(copy.deepcopy(model), i * per, (i + 1) * per) for i in indices]
 
 
+def time_gpipe(reference: GPT, micro, steps: int, tied_group, device) -> dict:
+    """--time-steps: whole GPipe steps, in the slowest stage's time, and the median
+    forward and backward of one micro-batch on the slowest stage."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    [stage] = split_stages(copy.deepcopy(reference), world, [rank])
+    clock = Clock()
+
+    def gpipe() -> None:
+        gpipe_step(stage, micro, clock)
+        add_tied_gradients([stage], tied_group)
+        stage.zero_grad(set_to_none=True)
+
+    step_ms = time_in_turns({"gpipe": gpipe}, steps, 2, device)["gpipe"]
+    mine = {kind: statistics.median(1000 * (end - start) for k, _, start, end
+                                    in clock.spans if k == kind) for kind in "FB"}
+    stages = [None] * world
+    dist.all_gather_object(stages, mine)
+    return {"microbatches": len(micro), "step_ms": spread(step_ms),
+            "forward_ms": max(s["F"] for s in stages),
+            "backward_ms": max(s["B"] for s in stages)}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = script_parser(__doc__)
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="medium",
@@ -205,6 +238,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=positive_int, metavar="SECONDS",
                         help="give up on a send or recv after this long (default: "
                              "the backend's, 30 minutes for gloo)")
+    parser.add_argument("--time-steps", type=positive_int, metavar="N",
+                        help="also time N GPipe steps, without the memory hooks")
     add_backend_and_metrics(parser)
     return parser.parse_args(argv)
 
@@ -222,6 +257,9 @@ def check_inputs(args: argparse.Namespace, world: int) -> None:
     if args.drop_send is not None and not 0 <= args.drop_send < min(args.microbatches):
         raise ScriptError(f"--drop-send {args.drop_send} is not a micro-batch: use 0 to "
                           f"{min(args.microbatches) - 1}")
+    if args.time_steps and world == 1:
+        raise ScriptError("--time-steps times a pipeline: launch 2 or more processes, "
+                          "one per stage (torchrun --nproc_per_node=2)")
     if args.drop_send is not None and args.timeout is None:
         raise ScriptError("--drop-send hangs the pipeline: give it a --timeout")
 
@@ -249,6 +287,8 @@ def main() -> None:
         ref_losses = [ref_model(a, b).item() for a, b in zip(x.chunk(m_max), y.chunk(m_max),
                                                               strict=True)]
     metrics.write(event="reference", losses=ref_losses, world=world, n_layer=cfg.n_layer,
+                  n_embd=cfg.n_embd, context=cfg.context,
+                  params=sum(p.numel() for p in reference.parameters()),
                   batch=args.batch_size)
 
     def record(schedule: str, m: int, stages: list[Stage], losses, live: LiveSavedBytes,
@@ -281,7 +321,13 @@ def main() -> None:
             spans = [None] * world
             dist.all_gather_object(spans, clock.spans)
             if repeat == args.repeats - 1:
-                record("GPipe by hand", m, [stage], losses, live, spans=spans)
+                mine = {"sent_bytes": clock.sent_bytes,
+                        "params": sum(p.numel() for p in stage.parameters())}
+                per_stage = [None] * world  # what each stage's sends carried and holds
+                dist.all_gather_object(per_stage, mine)
+                record("GPipe by hand", m, [stage], losses, live, spans=spans,
+                       sent_bytes=[r["sent_bytes"] for r in per_stage],
+                       stage_params=[r["params"] for r in per_stage])
             elif m == m_max and repeat == 0:  # the control: the tied gradients not added
                 record("control: tied grads not added", m, [stage], losses, live, False,
                        spans=spans)
@@ -312,6 +358,16 @@ def main() -> None:
         with live.hooks():
             schedule.step(*inputs, **targets)
         record(name, m_max, stages, [t.item() for t in losses], live)
+    if args.time_steps:
+        micro = list(zip(x.chunk(m_max), y.chunk(m_max), strict=True))
+        timing = time_gpipe(reference, micro, args.time_steps, tied_group, device)
+        metrics.write(event="timing", **timing)
+        if rank == 0:
+            t = timing["step_ms"]
+            print(f"GPipe m={m_max}: {t['median']:.1f} ms per step (p25-p75 "
+                  f"{t['p25']:.1f}-{t['p75']:.1f}); one micro-batch on the slowest stage: "
+                  f"forward {timing['forward_ms']:.1f} ms, backward "
+                  f"{timing['backward_ms']:.1f} ms")
     metrics.close()
     drain_gloo_workers()
     dist.destroy_process_group()

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
+from dtbook.collectives import CollectiveLog
 from dtbook.compare import training_gap
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.measure import SavedTensors
@@ -135,9 +136,10 @@ def main() -> None:
     for name, rescale in [("ring attention", True), ("control: no rescaling", False)]:
         mine = {n: t[:, :, block].clone().requires_grad_()
                 for n, t in zip("qkv", (q, k, v), strict=True)}
-        with SavedTensors(exclude=mine.values()) as saved:
-            out = ring_attention(mine["q"], mine["k"], mine["v"], rescale)
-        (out * target[:, :, block]).sum().backward()
+        with CollectiveLog() as log:  # the blocks' bytes, forward and backward
+            with SavedTensors(exclude=mine.values()) as saved:
+                out = ring_attention(mine["q"], mine["k"], mine["v"], rescale)
+            (out * target[:, :, block]).sum().backward()
         pieces = {n: [torch.empty_like(t) for _ in range(world)]
                   for n, t in [("out", out), *mine.items()]}
         dist.all_gather(pieces["out"], out.detach())
@@ -149,7 +151,8 @@ def main() -> None:
         record = {"version": name,
                   "output_gap": ((whole["out"] - ref).norm() / ref.norm()).item(),
                   "grad_gap": training_gap({n: whole[n] for n in "qkv"}, ref_grads),
-                  "saved_bytes": saved_bytes}
+                  "saved_bytes": saved_bytes,
+                  "sent_bytes": log.summary().get("send", {}).get("traffic_bytes", 0)}
         metrics.write(event="compare", **record)
         if rank == 0:
             print(f"{name:<22} relative gap: output {record['output_gap']:.1e}, "

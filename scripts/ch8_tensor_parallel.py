@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 scripts/ch8_tensor_parallel.py
     torchrun --standalone --nproc_per_node=4 scripts/ch8_tensor_parallel.py --api hand
     torchrun --standalone --nproc_per_node=2 scripts/ch8_tensor_parallel.py --sequence-parallel
+    torchrun --standalone --nproc_per_node=2 scripts/ch8_tensor_parallel.py --time-steps 20
     python scripts/ch8_tensor_parallel.py            # a world of one: nothing is split
 
 Every rank holds 1/N of each transformer block. The attention's fused qkv layer and the MLP's
@@ -28,11 +29,18 @@ an all-gather of the tokens and g a reduce-scatter (by hand: SequenceParallelBlo
 DTensor: SequenceParallel in the plan). It records, besides the gaps and the collectives, the
 bytes saved for backward inside the LayerNorms and elsewhere. Its control forgets to all-reduce
 the gradients of the LayerNorm weights and biases, which each rank computed on its own tokens.
+
+--time-steps N (section 8.8) then times N steps of the hand-written tensor parallelism against
+the unsplit model's step (every rank computes it, as one process would), taking turns, the
+slowest rank's time each; and it measures this placement's alpha and beta: all-reduces of a few
+bytes and of the step's own sizes, timed alone. Where the processes run (one host, or one per
+host across a link) is the launcher's choice; the times say what it cost.
 """
 
 import argparse
 import copy
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -49,12 +57,15 @@ from torch.distributed.tensor.parallel import (
 
 from dtbook.cli import ScriptError, add_backend_and_metrics, positive_int, run_main, script_parser
 from dtbook.collectives import CollectiveLog
+from dtbook.comm_timing import seconds_per_call
 from dtbook.compare import training_gap
+from dtbook.cost_model import AlphaBeta, Measurement
 from dtbook.data import DEFAULTS, corpus_windows, first_batches
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
 from dtbook.measure import SavedTensorsByRegion
 from dtbook.model import GPT, MODEL_SIZES, Block
 from dtbook.tensor_parallel import dtensor_parallel, heads_grouped_by_rank, shard, unshard
+from dtbook.timing import spread, time_in_turns
 
 
 class CopyToParallel(torch.autograd.Function):
@@ -327,6 +338,39 @@ def step(model: GPT, x: torch.Tensor, y: torch.Tensor, finish=None):
     return logits.detach(), loss.item()
 
 
+def fit_link(sizes: list[int], device: torch.device) -> AlphaBeta:
+    """This placement's alpha and beta, measured now: all-reduces of a few bytes and
+    of the sizes a step sends, each timed alone, back to back."""
+    world, measured = dist.get_world_size(), []
+    for nbytes in sorted({256, *sizes, 2 * max(sizes)}):
+        buffer = torch.zeros(nbytes // 4, device=device)
+        rounds = seconds_per_call(lambda b=buffer: dist.all_reduce(b), calls=3,
+                                  rounds=3, device=device)
+        seconds = statistics.median(rounds)
+        measured.append(Measurement("all_reduce", world, nbytes, seconds))
+    return AlphaBeta.fit(measured, world_size=world)
+
+
+def time_steps(reference: GPT, x: torch.Tensor, y: torch.Tensor, steps: int,
+               device: torch.device) -> dict:
+    """--time-steps: a tensor-parallel step against the unsplit model's, in turns."""
+    split, whole = hand_parallel(copy.deepcopy(reference)), copy.deepcopy(reference)
+    with CollectiveLog() as log:
+        step(split, x, y)
+    sizes = [e["bytes"] for e in log.collectives()]  # what one step all-reduces
+    link = fit_link(sizes, device)
+
+    def clear(model: GPT) -> None:  # each timed step starts without gradients
+        model.zero_grad(set_to_none=True)
+
+    times = time_in_turns({"tensor_parallel": lambda: step(split, x, y, clear),
+                           "one_process": lambda: step(whole, x, y, clear)},
+                          steps, warmup=2, device=device)
+    return {"message_bytes": sizes, "alpha_s": link.alpha_s,
+            "beta_s_per_byte": link.beta_s_per_byte,
+            **{f"{name}_ms": spread(ms) for name, ms in times.items()}}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = script_parser(__doc__)
     parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="small",
@@ -340,6 +384,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=positive_int, default=None,
                         help="tokens per window (default: the model's context)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    parser.add_argument("--time-steps", type=positive_int, metavar="N",
+                        help="also time N tensor-parallel steps against one process's")
     add_backend_and_metrics(parser)
     return parser.parse_args(argv)
 
@@ -347,6 +393,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_inputs(args: argparse.Namespace, world: int) -> None:
     """Refuse a world size that does not split the heads (or the tokens) evenly."""
     cfg = MODEL_SIZES[args.model]
+    if args.time_steps and world == 1:
+        raise ScriptError("--time-steps compares tensor parallelism with one process: "
+                          "launch 2 or more processes (torchrun --nproc_per_node=2)")
     if cfg.n_head % world:
         raise ScriptError(f"the {args.model} model's {cfg.n_head} attention heads do not split "
                           f"over {world} processes: use a process count that divides "
@@ -450,6 +499,13 @@ def main() -> None:
         if a in grads and b in grads:
             metrics.write(event="pair", a=a, b=b, grad_gap=training_gap(grads[a], grads[b]),
                           logits_gap=((outputs[a] - outputs[b]).norm() / outputs[b].norm()).item())
+    if args.time_steps:
+        timing = time_steps(reference, x, y, args.time_steps, device)
+        metrics.write(event="timing", **timing)
+        if dist.get_rank() == 0:
+            print("ms per step, median (p25-p75): " + ", ".join(
+                f"{name.removesuffix('_ms')} {t['median']:.1f} ({t['p25']:.1f}-{t['p75']:.1f})"
+                for name, t in timing.items() if name.endswith("_ms")))
     metrics.write(event="shape", world=world, batch=args.batch_size, context=seq_len,
                   n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head,
                   params=sum(p.numel() for p in reference.parameters()))

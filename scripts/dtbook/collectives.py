@@ -13,7 +13,8 @@ Sizes follow the usual convention for bandwidth accounting: ``bytes`` is the siz
 tensor the collective is about (the all-reduced gradient, the all-gathered parameters, the input of
 a reduce-scatter), and ``traffic_bytes`` is what a bandwidth-optimal (ring) algorithm makes each
 rank send: 2(n-1)/n x bytes for all-reduce, (n-1)/n x bytes for all-gather, reduce-scatter and
-broadcast, for a group of n ranks.
+broadcast, for a group of n ranks; a point-to-point ``send`` sends its tensor, all of it; an
+``all_to_all`` (``bytes``: this rank's input) sends the rows its split sizes address to others.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ KINDS = {
     "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "broadcast_": "broadcast",
+    "send": "send",  # point to point: a pipeline's activations and their gradients
+    "alltoall_base_": "all_to_all",  # all_to_all_single: an expert layer's tokens
 }
 # The functional collectives DTensor issues (torch.distributed._functional_collectives), whose last
 # argument names the group: operator name -> collective.
@@ -49,6 +52,8 @@ def ring_traffic(kind: str, nbytes: int, group_size: int) -> float:
     """Bytes each rank sends when a ring algorithm runs ``kind`` on ``nbytes`` bytes."""
     if group_size == 1:
         return 0.0
+    if kind == "send":  # one rank to one other: every byte leaves
+        return float(nbytes)
     share = (group_size - 1) / group_size
     return 2 * share * nbytes if kind == "all_reduce" else share * nbytes
 
@@ -64,6 +69,17 @@ def _full_bytes(kind: str, args: tuple, group_size: int) -> int:
     if kind == "reduce_scatter":  # arguments: outputs, inputs; each rank keeps one output
         return group_size * sum(_tensor_bytes(args[0]))
     return sum(_tensor_bytes(args[0]))
+
+
+def _all_to_all_traffic(args: tuple, group) -> float:
+    """Bytes of an all_to_all_single's input that go to other ranks: all but the rows
+    its input split sizes (or, without them, an equal share) keep on this rank."""
+    _, source = args[0], args[1]
+    splits, rows = list(args[4]), source.shape[0] if source.dim() else 0
+    if rows == 0:
+        return 0.0
+    kept = splits[group.rank()] if splits else rows // group.size()
+    return float((rows - kept) * source.numel() // rows * source.element_size())
 
 
 class CollectiveLog(TorchDispatchMode):
@@ -128,9 +144,11 @@ class CollectiveLog(TorchDispatchMode):
             return
         dtypes = {t.dtype for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
         nbytes = _full_bytes(kind, args, len(ranks))
+        traffic = (_all_to_all_traffic(args, group) if kind == "all_to_all"
+                   else ring_traffic(kind, nbytes, len(ranks)))
         self.events.append({"kind": "collective", "op": kind, "group": ranks,
                             "dtype": str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "mixed",
-                            "bytes": nbytes, "traffic_bytes": ring_traffic(kind, nbytes, len(ranks))})
+                            "bytes": nbytes, "traffic_bytes": traffic})
 
     def collectives(self) -> list[dict]:
         return [e for e in self.events if e["kind"] == "collective"]

@@ -183,3 +183,38 @@ def naive_step_seconds(forward_s: float, backward_s: float, optimizer_s: float,
     """A loop that all-reduces each gradient tensor, one at a time, after backward."""
     communication = sum(link.predict(n, world_size) for n in tensor_bytes)
     return forward_s + backward_s + communication + optimizer_s
+
+
+# ---------------------------------------------------------- model-parallel steps
+
+def tensor_parallel_step_seconds(one_process_s: float, message_bytes: list[int],
+                                 world_size: int, link: AlphaBeta,
+                                 split: float = 1.0) -> float:
+    """A tensor-parallel step: each rank's share of one process's compute, then every
+    all-reduce.
+
+    ``split`` is the fraction of the compute that is cut over the ranks; the rest
+    (embeddings, LayerNorms, the head) every rank repeats. Nothing overlaps: each
+    all-reduce sits between two layers that need its result.
+    """
+    if not 0 <= split <= 1:
+        raise ValueError(f"split is a fraction of the compute, got {split}")
+    compute = one_process_s * (1 - split + split / world_size)
+    return compute + sum(link.predict(n, world_size) for n in message_bytes)
+
+
+def gpipe_step_seconds(forward_s: float, backward_s: float, microbatches: int,
+                       stages: int, message_bytes: int, link: AlphaBeta) -> float:
+    """A GPipe step: ``forward_s`` and ``backward_s`` per micro-batch and stage.
+
+    m + p - 1 forward and as many backward slots fill and drain the pipeline, and
+    a stage sends each micro-batch's ``message_bytes`` (activations forward, their
+    gradient back) before it computes the next: m + p - 2 sends each way lie on the
+    critical path, each one message over the link (t = alpha + n beta).
+    """
+    if microbatches < 1 or stages < 1:
+        raise ValueError(f"need at least one micro-batch and one stage, got "
+                         f"{microbatches} and {stages}")
+    slots = microbatches + stages - 1
+    send = link.predict(message_bytes, 2, "broadcast") if stages > 1 else 0.0
+    return slots * (forward_s + backward_s) + 2 * (slots - 1) * send

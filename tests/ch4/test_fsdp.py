@@ -100,6 +100,8 @@ def test_a_refused_combination_is_one_line_and_a_nonzero_exit():
     ("all_gather", 4, 3 / 4 * 1000),
     ("reduce_scatter", 2, 1 / 2 * 1000),
     ("broadcast", 1, 0.0),
+    ("send", 2, 1000.0),  # point to point (8.8's pipeline, 8.5's ring): all of it leaves
+    ("send", 8, 1000.0),
 ])
 def test_ring_traffic(kind, group, expected):
     assert ring_traffic(kind, 1000, group) == expected

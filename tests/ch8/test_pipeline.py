@@ -26,9 +26,9 @@ def program():
 
 
 def namespace(model="medium", batch_size=16, microbatches=(1, 2, 4, 8), drop_send=None,
-              timeout=None):
+              timeout=None, time_steps=None):
     return argparse.Namespace(model=model, batch_size=batch_size, microbatches=list(microbatches),
-                              drop_send=drop_send, timeout=timeout)
+                              drop_send=drop_send, timeout=timeout, time_steps=time_steps)
 
 
 @pytest.mark.parametrize("args, world, problem", [
@@ -37,6 +37,8 @@ def namespace(model="medium", batch_size=16, microbatches=(1, 2, 4, 8), drop_sen
     (namespace(batch_size=12), 2, "--batch-size 12 does not split into 8 micro-batches"),
     (namespace(drop_send=1, microbatches=[1, 2]), 2, "--drop-send 1 is not a micro-batch"),
     (namespace(drop_send=0), 2, "give it a --timeout"),
+    (namespace(time_steps=5), 1, "--time-steps times a pipeline: launch 2 or more"),
+    (namespace(time_steps=5), 2, None),
     (namespace(model="large"), 3, None),
     (namespace(drop_send=0, timeout=5), 4, None),
 ])
@@ -56,3 +58,11 @@ def test_a_world_of_one_is_one_stage_and_every_schedule_equals_the_reference(tmp
                                              "Schedule1F1B", "ScheduleInterleaved1F1B"]
     for r in rows:
         assert r["grad_gap"] <= 1e-5, r
+
+
+def test_timing_a_world_of_one_is_refused_in_one_line():
+    # Section 8.8 times GPipe across a link; one process has no stage to send to.
+    done = run_python(SCRIPT, "--time-steps", "3", check=False, timeout=60)
+    assert done.returncode == 2
+    assert done.output.strip().count("\n") == 0, done.output
+    assert done.output.startswith("error: --time-steps times a pipeline"), done.output

@@ -48,8 +48,31 @@ def test_a_rank_keeps_the_q_k_and_v_rows_of_its_own_heads(program):
     ("small", 1, None),
 ])
 def test_a_world_size_must_divide_the_heads(program, model, world, problem):
-    args = argparse.Namespace(model=model, seq_len=None, sequence_parallel=False)
+    args = argparse.Namespace(model=model, seq_len=None, sequence_parallel=False,
+                              time_steps=None)
     assert_inputs_checked(program, args, world, problem)
+
+
+@pytest.mark.parametrize("world, problem", [
+    (1, "--time-steps compares tensor parallelism with one process: launch 2 or more"),
+    (2, None),
+])
+def test_timing_needs_a_second_process_to_place(program, world, problem):
+    # Section 8.8 places two processes on one host or on two; a world of one has nothing
+    # to place, and a timing of it would compare one process with itself.
+    args = argparse.Namespace(model="tiny", seq_len=None, sequence_parallel=False,
+                              time_steps=5)
+    assert_inputs_checked(program, args, world, problem)
+
+
+@pytest.mark.parametrize("value, problem", [("0", "must be at least 1, got 0"),
+                                            ("ten", "expected a whole number, got 'ten'")])
+def test_time_steps_must_be_a_positive_count(program, capsys, value, problem):
+    with pytest.raises(SystemExit) as exited:
+        program.parse_args(["--time-steps", value])
+    assert exited.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and problem in errors[0], errors
 
 
 def test_the_refusal_is_one_line_and_exit_2_before_any_process_group():

@@ -5,7 +5,15 @@ import random
 
 import pytest
 
-from dtbook.cost_model import COLLECTIVES, AlphaBeta, Measurement, bus_bandwidth, ring_coefficients
+from dtbook.cost_model import (
+    COLLECTIVES,
+    AlphaBeta,
+    Measurement,
+    bus_bandwidth,
+    gpipe_step_seconds,
+    ring_coefficients,
+    tensor_parallel_step_seconds,
+)
 
 ALPHA, BETA = 30e-6, 1 / 2.5e9  # 30 us per step, 2.5 GB/s
 SIZES = [4 * 4**k for k in range(14)]  # 4 B to 256 MiB, as the benchmark sweeps them
@@ -99,3 +107,42 @@ def test_the_model_file_round_trips_and_refuses_other_json(tmp_path):
     (tmp_path / "other.json").write_text('{"alpha": 1}')
     with pytest.raises(ValueError, match="not an alpha-beta model file"):
         AlphaBeta.load(tmp_path / "other.json")
+
+
+# ------------------------------------------------ section 8.8: model-parallel steps
+
+def test_a_tensor_parallel_step_is_its_share_of_compute_plus_every_all_reduce():
+    link = AlphaBeta(ALPHA, BETA)
+    messages = [2**19] * 8  # 8 all-reduces of 512 KiB, as 8.8's 2-block model issues
+    step = tensor_parallel_step_seconds(0.1, messages, 2, link)
+    # N = 2: each all-reduce is 2 alpha-steps and sends its tensor once (2(N-1)/N = 1).
+    assert step == pytest.approx(0.05 + 8 * (2 * ALPHA + 2**19 * BETA), rel=1e-12)
+    # Control: a model that overlapped the all-reduces would predict the compute alone.
+    assert step != pytest.approx(0.05, rel=1e-3)
+    # Free communication leaves 1/N of the compute; a slower link only adds.
+    assert tensor_parallel_step_seconds(0.1, messages, 4, AlphaBeta(0, 0)) == 0.025
+    assert tensor_parallel_step_seconds(0.1, messages, 2, AlphaBeta(ALPHA, 10 * BETA)) > step
+    # What is not split, every rank computes whole: 30% replicated on 2 ranks is 65%.
+    free = AlphaBeta(0, 0)
+    assert tensor_parallel_step_seconds(0.1, messages, 2, free, split=0.7) == pytest.approx(
+        0.065, rel=1e-12)
+    assert tensor_parallel_step_seconds(0.1, messages, 2, free, split=0.0) == 0.1
+    with pytest.raises(ValueError, match="fraction of the compute"):
+        tensor_parallel_step_seconds(0.1, messages, 2, free, split=1.5)
+
+
+def test_a_gpipe_step_fills_and_drains_the_pipeline():
+    link = AlphaBeta(ALPHA, BETA)
+    forward, backward, m, p, message = 0.01, 0.02, 4, 2, 2**17
+    step = gpipe_step_seconds(forward, backward, m, p, message, link)
+    send = ALPHA + message * BETA  # one message between two ranks
+    assert step == pytest.approx((m + p - 1) * (forward + backward) + 2 * (m + p - 2) * send,
+                                 rel=1e-12)
+    # One stage is one process: no bubble, no send.
+    assert gpipe_step_seconds(forward, backward, m, 1, message, link) == pytest.approx(
+        m * (forward + backward), rel=1e-12)
+    # Without communication the bubble is what is left: (m+p-1)/m of the compute.
+    free = gpipe_step_seconds(forward, backward, m, p, message, AlphaBeta(0, 0))
+    assert free / (m * (forward + backward)) == pytest.approx((m + p - 1) / m, rel=1e-12)
+    with pytest.raises(ValueError, match="at least one micro-batch"):
+        gpipe_step_seconds(forward, backward, 0, p, message, link)
