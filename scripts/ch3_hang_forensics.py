@@ -65,9 +65,11 @@ def parse_args() -> argparse.Namespace:
 
 def check_inputs(args, world_size: int) -> None:
     """Refuse, before init_process_group, what cannot give a useful dump."""
-    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or "0") < 1:
-        raise ScriptError("set TORCH_FR_BUFFER_SIZE to the collectives to keep per rank "
-                          "(e.g. 2000): without it the flight recorder records nothing")
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE", "")
+    if not size.isdigit() or int(size) < 1:
+        raise ScriptError(f"set TORCH_FR_BUFFER_SIZE to the collectives to keep per rank "
+                          f"(e.g. 2000), not {size!r}: without it the flight recorder "
+                          f"records nothing")
     if args.extra_on_rank is None:
         return
     if world_size < 2:

@@ -28,8 +28,12 @@ def test_help_shows_the_usage_lines():
     assert "--extra-on-rank" in done.output and "--dump-at-end" in done.output
 
 
-def test_without_the_buffer_size_the_script_refuses(monkeypatch, capsys):
-    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+@pytest.mark.parametrize("size", [None, "0", "2k"])
+def test_without_a_buffer_size_the_script_refuses(monkeypatch, capsys, size):
+    if size is None:
+        monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", size)
     assert run_in_process(SCRIPT, monkeypatch=monkeypatch) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: set TORCH_FR_BUFFER_SIZE")
