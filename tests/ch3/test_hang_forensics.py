@@ -1,0 +1,87 @@
+"""Chapter 3, reading a hung job: the flight-recorder script's flags, its control and another world size.
+
+The draft section (notebooks/ch3_ddp/hang_forensics_draft.ipynb) runs the two-rank hang, attaches
+py-spy, reads the dumps with plain Python and torchfrtrace, and asserts the divergence against a
+control run that dumps at the end: none of that is launched again here. What is tested below is
+what the page cannot show: one-line refusals, --help, that a run without a hang writes no dump,
+and a hang among three ranks.
+"""
+
+import pickle
+
+import pytest
+
+from support import assert_inputs_checked, load_script, run_in_process, run_python, run_torchrun
+
+SCRIPT = "ch3_hang_forensics.py"
+PG_TIMEOUT = 4  # seconds: short, but with room for a slow start on busy shared cores
+LIMIT = 120  # seconds any single run may take before the test fails
+
+
+def recorder_env(tmp_path) -> dict:
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "rank_")}
+
+
+def test_help_shows_the_usage_lines():
+    done = run_python(SCRIPT, "--help", timeout=LIMIT)
+    assert "torchrun --standalone --nproc_per_node=2 scripts/ch3_hang_forensics.py" in done.output
+    assert "--extra-on-rank" in done.output and "--dump-at-end" in done.output
+
+
+@pytest.mark.parametrize("size", [None, "0", "2k"])
+def test_without_a_buffer_size_the_script_refuses(monkeypatch, capsys, size):
+    if size is None:
+        monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", size)
+    assert run_in_process(SCRIPT, monkeypatch=monkeypatch) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: set TORCH_FR_BUFFER_SIZE")
+
+
+@pytest.mark.parametrize(
+    ("extra_on_rank", "world", "problem"),
+    [
+        (None, 1, None),  # the control runs in a world of one too
+        (0, 1, "needs at least 2 processes"),
+        (2, 2, "--extra-on-rank 2 is not a rank of this world of 2"),
+        (-1, 2, "--extra-on-rank -1 is not a rank"),
+        (1, 2, None),
+    ],
+)
+def test_extra_on_rank_is_checked(monkeypatch, extra_on_rank, world, problem):
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    program = load_script(SCRIPT)
+    args = program.argparse.Namespace(extra_on_rank=extra_on_rank)
+    assert_inputs_checked(program, args, world, problem)
+
+
+def test_a_zero_timeout_is_refused_by_argparse():
+    done = run_python(SCRIPT, "--timeout", "0", check=False, timeout=LIMIT,
+                      env={"TORCH_FR_BUFFER_SIZE": "2000"})
+    assert done.returncode == 2
+    assert "error: argument --timeout" in done.output.splitlines()[-1]
+    assert "Traceback" not in done.output
+
+
+def test_a_run_without_a_hang_writes_no_dump(tmp_path):
+    """No timeout fired, no --dump-at-end: the prefix stays empty."""
+    run_torchrun(SCRIPT, "--timeout", PG_TIMEOUT, env=recorder_env(tmp_path), timeout=LIMIT)
+    assert list(tmp_path.glob("rank_*")) == []
+
+
+def test_three_ranks_one_extra_collective(tmp_path):
+    """The last rank goes its own way: every rank dumps and fails with one line, and the
+    dumps differ only in that rank's last collective."""
+    done = run_torchrun(SCRIPT, "--extra-on-rank", 2, "--timeout", PG_TIMEOUT, nproc=3,
+                        env=recorder_env(tmp_path), timeout=LIMIT, check=False)
+    assert done.returncode != 0
+    errors = [line for line in done.output.splitlines() if "error:" in line]
+    assert sorted(line.split("]")[0] for line in errors) == ["[rank 0", "[rank 1", "[rank 2"]
+    assert all("flight-recorder dump in" in line for line in errors)
+    dumps = [pickle.loads((tmp_path / f"rank_{r}").read_bytes()) for r in range(3)]
+    last = [d["entries"][-1] for d in dumps]
+    assert [e["profiling_name"] for e in last] == ["gloo:barrier"] * 2 + ["gloo:all_reduce"]
+    assert len({e["collective_seq_id"] for e in last}) == 1
+    before = [[(e["profiling_name"], e["input_sizes"]) for e in d["entries"][:-1]] for d in dumps]
+    assert before[0] == before[1] == before[2]
