@@ -46,7 +46,8 @@ FUNCTIONAL_KINDS = {
 
 
 def ring_traffic(kind: str, nbytes: int, group_size: int) -> float:
-    """Bytes each rank sends when a ring algorithm runs ``kind`` on ``nbytes`` bytes."""
+    """Bytes each rank sends when a ring algorithm runs ``kind`` on ``nbytes``
+    bytes."""
     if group_size == 1:
         return 0.0
     share = (group_size - 1) / group_size
