@@ -315,6 +315,10 @@ def main() -> None:
                   largest_param=largest,
                   unit_params=units, blocks=cfg.n_layer)
 
+    # What lives now (the imported modules, the reference model) lives to the end: frozen,
+    # it is left out of the gc.collect() after each configuration, which then walks only
+    # what that configuration made.
+    gc.freeze()
     ddp_weights = None
     for config in configs:
         result = measure(config, cfg, device, batches, args)
