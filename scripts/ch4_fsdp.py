@@ -1,4 +1,5 @@
-"""Train the book's GPT with Fully Sharded Data Parallel: chapter 3's program, sharded.
+"""Train the book's GPT with Fully Sharded Data Parallel: chapter 3's program,
+sharded.
 
     torchrun --standalone --nproc_per_node=2 scripts/ch4_fsdp.py                    # FSDP2, full sharding
     torchrun --standalone --nproc_per_node=2 scripts/ch4_fsdp.py --api fsdp1 --sharding grad_op
@@ -6,22 +7,24 @@
     torchrun --standalone --nproc_per_node=2 scripts/ch4_fsdp.py --checkpoint-dir runs/ckpt --resume
     python scripts/ch4_fsdp.py                                                      # a world of one
 
-Same model, data, flags and metrics as ch3_train.py, but no process holds the whole model: each
-keeps a 1/N shard of every parameter, gradient and optimizer state. Before a block runs forward
-(and again before its backward) its parameters are all-gathered; after backward its gradients
-are reduce-scattered, so each rank receives the averaged gradient of its own shard and steps only
-that. With --api fsdp2 (the default, torch.distributed.fsdp.fully_shard) the parameters are
-DTensors; --api fsdp1 is the older FullyShardedDataParallel wrapper.
+Same model, data, flags and metrics as ch3_train.py, but no process holds the whole
+model: each keeps a 1/N shard of every parameter, gradient and optimizer state.
+Before a block runs forward (and again before its backward) its parameters are
+all-gathered; after backward its gradients are reduce-scattered, so each rank
+receives the averaged gradient of its own shard and steps only that. With --api fsdp2
+(the default, torch.distributed.fsdp.fully_shard) the parameters are DTensors; --api
+fsdp1 is the older FullyShardedDataParallel wrapper.
 
---sharding full       shard everything, free gathered parameters after forward (ZeRO-3)
---sharding grad_op    keep gathered parameters from forward to backward (ZeRO-2-like)
---sharding no_shard   replicate like DDP (FSDP1 only)
---sharding hybrid     shard within groups of --shard-group-size processes, replicate across them
+--sharding full       shard everything, free gathered parameters after forward
+(ZeRO-3) --sharding grad_op    keep gathered parameters from forward to backward
+(ZeRO-2-like) --sharding no_shard   replicate like DDP (FSDP1 only) --sharding hybrid
+shard within groups of --shard-group-size processes, replicate across them
 
-Checkpoints are sharded (torch.distributed.checkpoint): every rank writes its own shards, and a
-checkpoint loads into any number of processes. --resume continues from the newest complete
-checkpoint, as in chapter 3, and with the same number of processes it continues bit for bit.
---save-final gathers the full weights to rank 0 and writes one ordinary state dict file.
+Checkpoints are sharded (torch.distributed.checkpoint): every rank writes its own
+shards, and a checkpoint loads into any number of processes. --resume continues from
+the newest complete checkpoint, as in chapter 3, and with the same number of
+processes it continues bit for bit. --save-final gathers the full weights to rank 0
+and writes one ordinary state dict file.
 """
 
 import argparse
@@ -109,51 +112,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = script_parser(__doc__)
     add = parser.add_argument
     add("--api", choices=["fsdp2", "fsdp1"], default="fsdp2",
-        help="fully_shard (fsdp2, default) or the FullyShardedDataParallel wrapper (fsdp1)")
-    add("--sharding", choices=sorted(FSDP1_STRATEGIES), default="full", help="what to shard (default: full)")
+        help="fully_shard (fsdp2, default) or the FullyShardedDataParallel wrapper "
+             "(fsdp1)")
+    add("--sharding", choices=sorted(FSDP1_STRATEGIES), default="full",
+        help="what to shard (default: full)")
     add("--shard-group-size", type=positive_int,
-        help="--sharding hybrid: processes per shard group (default: the processes on one node)")
+        help="--sharding hybrid: processes per shard group (default: the processes "
+             "on one node)")
     add("--wrap", choices=["block", "size"], default="block",
-        help="FSDP units: one per transformer block, or FSDP1's size-based policy (default: block)")
+        help="FSDP units: one per transformer block, or FSDP1's size-based policy "
+             "(default: block)")
     add("--min-wrap-params", type=positive_int, default=20_000,
-        help="--wrap size: wrap every module with at least this many parameters (default: 20000)")
+        help="--wrap size: wrap every module with at least this many parameters "
+             "(default: 20000)")
     add("--mixed-precision", choices=["off", "bf16"], default="off",
-        help="bf16 parameters for compute, fp32 master weights and gradient reduction (default: off)")
-    add("--cpu-offload", action="store_true", help="keep sharded parameters, gradients and optimizer state on the CPU")
+        help="bf16 parameters for compute, fp32 master weights and gradient "
+             "reduction (default: off)")
+    add("--cpu-offload", action="store_true",
+        help="keep sharded parameters, gradients and optimizer state on the CPU")
     add("--activation-checkpointing", action="store_true",
         help="recompute each block's activations in backward instead of storing them")
     add("--meta-init", action="store_true",
-        help="build the model on the meta device, shard it, then materialize and initialize the shards")
+        help="build the model on the meta device, shard it, then materialize and "
+             "initialize the shards")
     add("--prefetch", choices=["implicit", "explicit"], default="implicit",
-        help="explicit: each block asks for the next block's all-gather before it runs (default: implicit)")
-    add("--count-comm", action="store_true", help="record every collective of the first optimizer step")
-    add("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default: small)")
+        help="explicit: each block asks for the next block's all-gather before it "
+             "runs (default: implicit)")
+    add("--count-comm", action="store_true",
+        help="record every collective of the first optimizer step")
+    add("--model", choices=sorted(MODEL_SIZES), default="small",
+        help="model size (default: small)")
     add("--dropout", type=float, default=0.0,
-        help="dropout probability; 0 (default) keeps runs comparable across world sizes")
+        help="dropout probability; 0 (default) keeps runs comparable across world "
+             "sizes")
     add("--corpus-tokens", type=positive_int, default=DEFAULTS.corpus_tokens,
         help="length of the synthetic corpus (default: 160000 tokens = 2499 windows)")
-    add("--epochs", type=positive_int, default=3, help="passes over the corpus (default: 3)")
-    add("--max-steps", type=positive_int, help="stop after this many optimizer steps; overrides --epochs")
+    add("--epochs", type=positive_int, default=3,
+        help="passes over the corpus (default: 3)")
+    add("--max-steps", type=positive_int,
+        help="stop after this many optimizer steps; overrides --epochs")
     add("--batch-size", type=positive_int, default=DEFAULTS.batch_size,
         help="windows per process per micro-step (default: 16)")
     add("--accum-steps", type=positive_int, default=1,
-        help="micro-steps per optimizer step; only the last one reduce-scatters (default: 1)")
-    add("--lr", type=positive_float, default=DEFAULTS.lr, help="AdamW learning rate (default: 0.01)")
-    add("--seed", type=int, default=DEFAULTS.seed, help="seeds the corpus, the initial weights and the shuffle")
-    add("--checkpoint-dir", type=Path, help="where every rank writes its checkpoint shards")
+        help="micro-steps per optimizer step; only the last one reduce-scatters "
+             "(default: 1)")
+    add("--lr", type=positive_float, default=DEFAULTS.lr,
+        help="AdamW learning rate (default: 0.01)")
+    add("--seed", type=int, default=DEFAULTS.seed,
+        help="seeds the corpus, the initial weights and the shuffle")
+    add("--checkpoint-dir", type=Path,
+        help="where every rank writes its checkpoint shards")
     add("--save-every", type=positive_int, default=50,
         help="checkpoint every N optimizer steps, and at the end (default: 50)")
-    add("--keep", type=positive_int, default=2, help="how many newest checkpoints to keep")
+    add("--keep", type=positive_int, default=2,
+        help="how many newest checkpoints to keep")
     add("--async-save", action="store_true",
-        help="write checkpoints in the background (dcp.async_save) while training goes on")
-    add("--resume", action="store_true", help="continue from the newest complete checkpoint in --checkpoint-dir")
-    add("--log-every", type=positive_int, default=10, help="log the loss every N steps")
+        help="write checkpoints in the background (dcp.async_save) while training "
+             "goes on")
+    add("--resume", action="store_true",
+        help="continue from the newest complete checkpoint in --checkpoint-dir")
+    add("--log-every", type=positive_int, default=10,
+        help="log the loss every N steps")
     add("--print-every", type=positive_int,
-        help="print progress on the console every N steps (default: every logged step)")
-    add("--save-final", type=Path, help="gather the full weights and let rank 0 write them here")
+        help="print progress on the console every N steps (default: every logged "
+             "step)")
+    add("--save-final", type=Path,
+        help="gather the full weights and let rank 0 write them here")
     add("--crash-at-step", type=positive_int,
         help="fault injection: SIGKILL one process right after this optimizer step")
-    add("--crash-rank", type=int, help="the process --crash-at-step kills (default: the last rank)")
+    add("--crash-rank", type=int,
+        help="the process --crash-at-step kills (default: the last rank)")
     add_backend_and_metrics(parser)
     args = parser.parse_args(argv)
     if args.resume and args.checkpoint_dir is None:
@@ -170,29 +198,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------
 
 
-def check_inputs(args, world_size: int, local_world_size: int, num_windows: int, on_gpu: bool) -> None:
-    """Refuse impossible combinations with one line each, on every rank, before any collective."""
+def check_inputs(args, world_size: int, local_world_size: int, num_windows: int,
+                 on_gpu: bool) -> None:
+    """Refuse impossible combinations with one line each, on every rank, before
+    any collective."""
     if args.api == "fsdp2" and args.sharding == "no_shard":
-        raise ScriptError("FSDP2 has no no_shard strategy: a fully replicated model is DDP "
-                          "(ch3_train.py), or use --api fsdp1 --sharding no_shard")
+        raise ScriptError("FSDP2 has no no_shard strategy: a fully replicated model "
+                          "is DDP (ch3_train.py), or use --api fsdp1 --sharding "
+                          "no_shard")
     if args.api == "fsdp2" and args.wrap == "size":
-        raise ScriptError("--wrap size is an FSDP1 auto-wrap policy; FSDP2 is applied per block "
-                          "(--wrap block) or use --api fsdp1")
+        raise ScriptError("--wrap size is an FSDP1 auto-wrap policy; FSDP2 is "
+                          "applied per block (--wrap block) or use --api fsdp1")
     if args.shard_group_size and args.sharding != "hybrid":
         raise ScriptError("--shard-group-size only applies to --sharding hybrid")
     if args.sharding == "hybrid":
         shards = args.shard_group_size or local_world_size
         if shards > world_size or world_size % shards:
-            raise ScriptError(f"--sharding hybrid cannot build a mesh: {world_size} process(es) do not "
-                              f"split into shard groups of {shards}; pick a --shard-group-size "
-                              f"that divides {world_size}")
+            raise ScriptError(f"--sharding hybrid cannot build a mesh: {world_size} "
+                              "process(es) do not split into shard groups of "
+                              f"{shards}; pick a --shard-group-size that divides "
+                              f"{world_size}")
         args.shard_group_size = shards
     if args.api == "fsdp1" and args.cpu_offload and not on_gpu:
-        raise ScriptError("FSDP1's CPU offload needs CUDA devices to offload from; use --api fsdp2 "
-                          "(whose offload policy also runs on CPU-only machines)")
+        raise ScriptError("FSDP1's CPU offload needs CUDA devices to offload from; "
+                          "use --api fsdp2 (whose offload policy also runs on "
+                          "CPU-only machines)")
     if args.api == "fsdp1" and args.meta_init:
-        raise ScriptError("--meta-init uses FSDP2's to_empty on sharded DTensors; with FSDP1 it would "
-                          "need a param_init_fn: use --api fsdp2")
+        raise ScriptError("--meta-init uses FSDP2's to_empty on sharded DTensors; "
+                          "with FSDP1 it would need a param_init_fn: use --api fsdp2")
     check_training_inputs(args, world_size, num_windows)
 
 
@@ -202,18 +235,22 @@ def check_inputs(args, world_size: int, local_world_size: int, num_windows: int,
 
 
 def build_mesh(args, world_size: int, device: torch.device) -> DeviceMesh:
-    """One dimension of `world_size` ranks, or (replicas, shard group) for hybrid sharding."""
+    """One dimension of `world_size` ranks, or (replicas, shard group) for hybrid
+    sharding."""
     if args.sharding == "hybrid":
         shape = (world_size // args.shard_group_size, args.shard_group_size)
-        return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device.type, shape,
+                                mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
 
 
 def checkpoint_activations(block: Block) -> None:
-    """Keep only the block's input; recompute the rest of its activations during backward.
+    """Keep only the block's input; recompute the rest of its activations during
+    backward.
 
-    The block's forward is replaced on the instance, so parameter names stay what they were
-    and checkpoints remain interchangeable with runs that do not recompute.
+    The block's forward is replaced on the instance, so parameter names stay what
+    they were and checkpoints remain interchangeable with runs that do not
+    recompute.
     """
     forward = block.forward
     block.forward = lambda x: checkpoint(forward, x, use_reentrant=False)
@@ -222,7 +259,8 @@ def checkpoint_activations(block: Block) -> None:
 def shard_fsdp2(model: GPT, args, mesh: DeviceMesh) -> GPT:
     """fully_shard each block, then the root (embeddings, head and final norm)."""
     bf16 = args.mixed_precision == "bf16"
-    # Compute in bf16, but reduce gradients in fp32: summing N bf16 gradients loses bits.
+    # Compute in bf16, but reduce gradients in fp32: summing N bf16 gradients loses
+    # bits.
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                      reduce_dtype=torch.float32 if bf16 else None)
     if args.cpu_offload:
@@ -230,13 +268,16 @@ def shard_fsdp2(model: GPT, args, mesh: DeviceMesh) -> GPT:
     else:
         offload = OffloadPolicy()
     # full and hybrid free a block's gathered parameters after its forward and gather
-    # them again for backward; grad_op keeps them until backward is done (one all-gather).
+    # them again for backward; grad_op keeps them until backward is done (one
+    # all-gather).
     reshard = args.sharding != "grad_op"
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
+                    mp_policy=mp_policy,
                     offload_policy=offload)
-    # The root's parameters (the embedding, tied to the head) are needed again as soon as
-    # backward starts, so it keeps them through the step (FSDP2's default for a root).
+    # The root's parameters (the embedding, tied to the head) are needed again as
+    # soon as backward starts, so it keeps them through the step (FSDP2's default for
+    # a root).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy,
                 offload_policy=offload)
     if args.prefetch == "explicit":
@@ -249,13 +290,14 @@ def shard_fsdp2(model: GPT, args, mesh: DeviceMesh) -> GPT:
 
 
 def shard_fsdp1(model: GPT, args, mesh: DeviceMesh, device: torch.device) -> FSDP:
-    """The FullyShardedDataParallel wrapper: an auto-wrap policy decides the units."""
+    """The FullyShardedDataParallel wrapper: an auto-wrap policy decides the
+    units."""
     if args.wrap == "block":
         policy = ModuleWrapPolicy({Block})
     else:
-        # The embedding and the head share one weight, so neither may become a unit of
-        # its own: a tied weight split across two units is gathered by one, missing in
-        # the other.
+        # The embedding and the head share one weight, so neither may become a unit
+        # of its own: a tied weight split across two units is gathered by one,
+        # missing in the other.
         tied = {model.tok_emb, model.head}
         by_size = functools.partial(size_based_auto_wrap_policy,
                                     min_num_params=args.min_wrap_params)
@@ -275,21 +317,25 @@ def shard_fsdp1(model: GPT, args, mesh: DeviceMesh, device: torch.device) -> FSD
         device_mesh=mesh if args.sharding == "hybrid" else None,
         forward_prefetch=args.prefetch == "explicit",
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-        use_orig_params=True,  # the optimizer and state dicts see the original parameters
+        # the optimizer and state dicts see the original parameters
+        use_orig_params=True,
     )
 
 
 def build_model(args, device: torch.device, rank: int, mesh: DeviceMesh):
-    """The sharded GPT, its AdamW optimizer (over this rank's shards only), its size."""
+    """The sharded GPT, its AdamW optimizer (over this rank's shards only), its
+    size."""
     cfg = dataclasses.replace(MODEL_SIZES[args.model], dropout=args.dropout)
-    # The same seed everywhere gives every rank the same full model, which each shards.
+    # The same seed everywhere gives every rank the same full model, which each
+    # shards.
     torch.manual_seed(args.seed)
     if args.meta_init:
         with torch.device("meta"):  # shapes only: no memory, no initialization
             model = GPT(cfg)
     else:
         model = GPT(cfg).to(device)
-    n_params = sum(p.numel() for p in model.parameters())  # the tied head counts once
+    # the tied head counts once
+    n_params = sum(p.numel() for p in model.parameters())
     if args.activation_checkpointing:
         for block in model.blocks:
             checkpoint_activations(block)
@@ -306,12 +352,13 @@ def build_model(args, device: torch.device, rank: int, mesh: DeviceMesh):
 
 
 def materialize(model: GPT, args, mesh: DeviceMesh, device: torch.device) -> None:
-    """Allocate each rank's shards of a meta-device model, then initialize them in place.
+    """Allocate each rank's shards of a meta-device model, then initialize them
+    in place.
 
-    The full model never exists anywhere. On GPUs, DTensor's random generator draws
-    every shard from one seed, as a slice of one full tensor. A CPU mesh has no such
-    generator, so each shard is drawn from a seed of its own; replicas of a shard (hybrid
-    sharding) share that seed and so stay identical.
+    The full model never exists anywhere. On GPUs, DTensor's random generator
+    draws every shard from one seed, as a slice of one full tensor. A CPU mesh
+    has no such generator, so each shard is drawn from a seed of its own;
+    replicas of a shard (hybrid sharding) share that seed and so stay identical.
     """
     model.to_empty(device="cpu" if args.cpu_offload else device)
     if device.type == "cuda":
@@ -327,7 +374,8 @@ def describe_units(model) -> list[str]:
     """The names of the modules that became FSDP units ('' is the root)."""
     units = [name for name, module in model.named_modules()
              if isinstance(module, (FSDPModule, FSDP))]
-    return [name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+    return [name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module",
+                                                              "")
             for name in units]
 
 
@@ -336,12 +384,14 @@ def describe_layout(model) -> list[dict]:
     rows = []
     for name, param in model.named_parameters():
         name = name.replace("_fsdp_wrapped_module.", "")
-        # FSDP2's parameters are DTensors: a global shape, placements, and a local shard.
-        # FSDP1's (use_orig_params) are plain tensors: flat views of this rank's part of a
-        # FlatParameter.
+        # FSDP2's parameters are DTensors: a global shape, placements, and a local
+        # shard. FSDP1's (use_orig_params) are plain tensors: flat views of this
+        # rank's part of a FlatParameter.
         local = param.to_local() if isinstance(param, DTensor) else param
-        rows.append({"name": name, "type": type(param).__name__, "shape": list(param.shape),
-                     "placements": [str(p) for p in getattr(param, "placements", [])],
+        rows.append({"name": name, "type": type(param).__name__,
+                     "shape": list(param.shape),
+                     "placements": [str(p)
+                                    for p in getattr(param, "placements", [])],
                      "local_shape": list(local.shape), "local_numel": local.numel()})
     return rows
 
@@ -353,7 +403,8 @@ def describe_layout(model) -> list[dict]:
 
 @dataclasses.dataclass
 class PendingSave:
-    """A checkpoint being written into ``staging``; it becomes ``final`` once all ranks are done."""
+    """A checkpoint being written into ``staging``; it becomes ``final`` once all
+    ranks are done."""
 
     staging: Path
     final: Path
@@ -363,15 +414,18 @@ class PendingSave:
 
 
 def checkpoint_group(args) -> dist.ProcessGroup | None:
-    """A process group of its own for background saves (collective: every rank creates it).
+    """A process group of its own for background saves (collective: every rank
+    creates it).
 
-    dcp.async_save coordinates the ranks with collectives from a background thread; on the
-    training group they would interleave with FSDP's all-gathers and scramble both.
+    dcp.async_save coordinates the ranks with collectives from a background
+    thread; on the training group they would interleave with FSDP's all-gathers
+    and scramble both.
     """
     return dist.new_group(backend="gloo") if args.async_save else None
 
 
-def start_save(args, model, optimizer, train_state: dict, device, group) -> PendingSave:
+def start_save(args, model, optimizer, train_state: dict, device,
+               group) -> PendingSave:
     """Collective. Every rank writes its shards; rank 0 adds train and RNG states."""
     rank = dist.get_rank()
     final = args.checkpoint_dir / f"ckpt_step{train_state['step']:08d}"
@@ -379,7 +433,8 @@ def start_save(args, model, optimizer, train_state: dict, device, group) -> Pend
     rng_states = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(capture_rng_state(device), rng_states, dst=0)
     if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a run that died while saving
+        # left by a run that died while saving
+        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         atomic_save({**train_state, "rng": rng_states}, staging / "train_state.pt")
     dist.barrier()  # the directory exists before anyone writes into it
@@ -388,8 +443,10 @@ def start_save(args, model, optimizer, train_state: dict, device, group) -> Pend
     state = {"model": model_state, "optimizer": optim_state}
     pending = PendingSave(staging, final, train_state["step"], time.perf_counter())
     if args.async_save:
-        # Copies the shards to host memory, then writes them from a background thread.
-        pending.future = dcp.async_save(state, checkpoint_id=staging, process_group=group)
+        # Copies the shards to host memory, then writes them from a background
+        # thread.
+        pending.future = dcp.async_save(state, checkpoint_id=staging,
+                                        process_group=group)
     else:
         dcp.save(state, checkpoint_id=staging)
     return pending
@@ -420,11 +477,13 @@ def fsync_directory(path: Path) -> None:
 
 
 def newest_checkpoint(ckpt_dir: Path) -> str | None:
-    """Collective. Rank 0 picks the newest complete checkpoint and tells every rank."""
+    """Collective. Rank 0 picks the newest complete checkpoint and tells every
+    rank."""
     choice = [None, None]
     if dist.get_rank() == 0:
         candidates = checkpoint_paths(ckpt_dir, "ckpt_step*")
-        found = newest_loadable([c / "train_state.pt" for c in candidates], TRAIN_STATE_KEYS)
+        found = newest_loadable([c / "train_state.pt" for c in candidates],
+                                TRAIN_STATE_KEYS)
         problem = None
         if candidates and found is None:
             problem = f"none of the {len(candidates)} checkpoint(s) in {ckpt_dir} can be read"
@@ -436,13 +495,15 @@ def newest_checkpoint(ckpt_dir: Path) -> str | None:
     return path
 
 
-def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, int, int]:
+def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, int,
+                                                                         int]:
     """Load the newest complete checkpoint, whatever the layout that wrote it."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     path = newest_checkpoint(args.checkpoint_dir)
     if path is None:
         if rank == 0:
-            print(f"--resume: nothing in {args.checkpoint_dir} yet, starting at step 0")
+            print(f"--resume: nothing in {args.checkpoint_dir} yet, starting at "
+                  "step 0")
         return 0, 0, 0
     train_state = torch.load(Path(path) / "train_state.pt", weights_only=True)
     saved = train_state["meta"]
@@ -459,21 +520,23 @@ def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, in
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as err:
-        raise ScriptError(f"cannot read checkpoint {path}: {one_line(err)}") from None
+        raise ScriptError(f"cannot read checkpoint {path}: "
+                          f"{one_line(err)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
 
     if saved["world_size"] == world_size:
         restore_rng_state(train_state["rng"][rank], device)
     elif rank == 0:
-        print(f"note: checkpoint written by {saved['world_size']} processes, loaded by "
-              f"{world_size}: the data order continues exactly, the per-rank RNG streams "
-              "do not")
+        print(f"note: checkpoint written by {saved['world_size']} processes, loaded "
+              f"by {world_size}: the data order continues exactly, the per-rank RNG "
+              "streams do not")
     metrics.write(event="resume", path=path, step=train_state["step"],
                   epoch=train_state["epoch"], written_by=saved["world_size"])
     if rank == 0:
         print(f"resumed from {path} at step {train_state['step']} (epoch "
-              f"{train_state['epoch']}, written by {saved['world_size']} process(es))")
+              f"{train_state['epoch']}, written by {saved['world_size']} "
+              "process(es))")
     return train_state["step"], train_state["epoch"], train_state["step_in_epoch"]
 
 
@@ -483,11 +546,13 @@ def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, in
 
 
 def train_step(model, optimizer, micro_batches, args, device) -> torch.Tensor:
-    """One optimizer step over --accum-steps micro-batches; returns this rank's loss."""
+    """One optimizer step over --accum-steps micro-batches; returns this rank's
+    loss."""
     step_loss = torch.zeros((), device=device)
     for micro_step in range(args.accum_steps):
         x, y = next(micro_batches)
-        # Only the last micro-batch reduce-scatters; the others accumulate full gradients.
+        # Only the last micro-batch reduce-scatters; the others accumulate full
+        # gradients.
         last = micro_step == args.accum_steps - 1
         if args.api == "fsdp2":
             model.set_requires_gradient_sync(last)
@@ -504,19 +569,26 @@ def train_step(model, optimizer, micro_batches, args, device) -> torch.Tensor:
 
 
 def record_collectives(metrics, log: CollectiveLog) -> None:
-    """Rank 0 writes the first step's collectives; every rank reports which groups it used."""
+    """Rank 0 writes the first step's collectives; every rank reports which
+    groups it used."""
     groups = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(sorted({tuple(e["group"]) for e in log.collectives()}), groups, dst=0)
-    metrics.write(event="collectives", step=1, events=log.events, summary=log.summary(),
+    dist.gather_object(sorted({tuple(e["group"]) for e in log.collectives()}),
+                       groups, dst=0)
+    metrics.write(event="collectives", step=1, events=log.events,
+                  summary=log.summary(),
                   groups_by_rank=groups)
 
 
 def summarize(args, model, metrics, step: int, progress: Progress, device) -> None:
-    """Gather the full weights (a collective), fingerprint them, and write the run's last record."""
-    # Every rank takes part in the gather; with cpu_offload only rank 0 ends up holding the result.
-    # (Not on a CPU-only machine with FSDP1, whose offloading path crashes there in torch 2.13.)
+    """Gather the full weights (a collective), fingerprint them, and write the
+    run's last record."""
+    # Every rank takes part in the gather; with cpu_offload only rank 0 ends up
+    # holding the result. (Not on a CPU-only machine with FSDP1, whose offloading
+    # path crashes there in torch 2.13.)
     offload = device.type == "cuda" or args.api == "fsdp2"
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+    full = get_model_state_dict(model,
+                                options=StateDictOptions(full_state_dict=True,
+                                                         cpu_offload=offload))
     if dist.get_rank() != 0:
         return
     fingerprint = state_dict_fingerprint(full)
@@ -526,12 +598,16 @@ def summarize(args, model, metrics, step: int, progress: Progress, device) -> No
     seconds, losses, steps_this_run = progress.train_seconds(), progress.losses, progress.steps_this_run
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     metrics.write(event="summary", steps=step, steps_this_run=steps_this_run,
-                  first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
-                  train_s=seconds, step_time_s=seconds / steps_this_run if steps_this_run else None,
-                  samples_per_s=steps_this_run * progress.global_batch / seconds if steps_this_run else None,
+                  first_loss=losses[0] if losses else None,
+                  final_loss=losses[-1] if losses else None,
+                  train_s=seconds,
+                  step_time_s=seconds / steps_this_run if steps_this_run else None,
+                  samples_per_s=steps_this_run * progress.global_batch / seconds
+                  if steps_this_run else None,
                   peak_memory_bytes=peak, **fingerprint)
     shown = round(losses[-1], 4) if losses else None
-    print(f"done: step {step}, loss {shown}, {seconds:.1f} s, weights sha256 {fingerprint['weights_sha256'][:12]}")
+    print(f"done: step {step}, loss {shown}, {seconds:.1f} s, weights sha256 "
+          f"{fingerprint['weights_sha256'][:12]}")
 
 
 def main() -> None:
@@ -540,8 +616,10 @@ def main() -> None:
     backend, device = choose_backend(args.backend)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = MODEL_SIZES[args.model]
-    dataset = corpus_windows(args.corpus_tokens, cfg.vocab_size, cfg.context, args.seed)
-    check_inputs(args, world_size, int(os.environ["LOCAL_WORLD_SIZE"]), len(dataset), device.type == "cuda")
+    dataset = corpus_windows(args.corpus_tokens, cfg.vocab_size, cfg.context,
+                             args.seed)
+    check_inputs(args, world_size, int(os.environ["LOCAL_WORLD_SIZE"]), len(dataset),
+                 device.type == "cuda")
     global_batch = world_size * args.batch_size * args.accum_steps
     steps_per_epoch = len(dataset) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch
@@ -553,32 +631,42 @@ def main() -> None:
     model, optimizer, n_params = build_model(args, device, rank, mesh)
     loader = rank_loader(dataset, args.batch_size, rank, world_size, args.seed)
 
-    meta = {"model": args.model, "seed": args.seed, "corpus_tokens": args.corpus_tokens,
+    meta = {"model": args.model, "seed": args.seed,
+            "corpus_tokens": args.corpus_tokens,
             "mixed_precision": args.mixed_precision, "global_batch": global_batch,
             "world_size": world_size, "api": args.api, "sharding": args.sharding}
     step, start_epoch, start_step_in_epoch = 0, 0, 0
     if args.resume:
-        step, start_epoch, start_step_in_epoch = resume(args, model, optimizer, meta, device, metrics)
+        step, start_epoch, start_step_in_epoch = resume(args, model, optimizer, meta,
+                                                        device, metrics)
 
     local_params = [None] * world_size if rank == 0 else None
-    dist.gather_object(sum(row["local_numel"] for row in describe_layout(model)), local_params, dst=0)
+    dist.gather_object(sum(row["local_numel"] for row in describe_layout(model)),
+                       local_params, dst=0)
     layouts = [None] * world_size if rank == 0 else None
     dist.gather_object(describe_layout(model), layouts, dst=0)
-    metrics.write(event="config", **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                  params=n_params, local_params=local_params, global_batch=global_batch,
+    metrics.write(event="config",
+                  **{k: str(v) if isinstance(v, Path) else v
+                     for k, v in vars(args).items()},
+                  params=n_params, local_params=local_params,
+                  global_batch=global_batch,
                   steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                  mesh={"shape": list(mesh.shape), "dims": list(mesh.mesh_dim_names)},
+                  mesh={"shape": list(mesh.shape),
+                        "dims": list(mesh.mesh_dim_names)},
                   units=describe_units(model))
     metrics.write(event="layout", ranks=layouts)
     if rank == 0:
-        print(f"GPT-{args.model} ({n_params:,} parameters) with {args.api}, sharding {args.sharding}, "
-              f"on {world_size} process(es) as mesh {tuple(mesh.shape)}, {backend}/{device.type}; "
-              f"global batch {world_size} x {args.batch_size} x {args.accum_steps} = {global_batch}; "
-              f"{steps_per_epoch} steps/epoch, training to step {total_steps}", flush=True)
+        print(f"GPT-{args.model} ({n_params:,} parameters) with {args.api}, "
+              f"sharding {args.sharding}, on {world_size} process(es) as mesh "
+              f"{tuple(mesh.shape)}, {backend}/{device.type}; global batch "
+              f"{world_size} x {args.batch_size} x {args.accum_steps} = "
+              f"{global_batch}; {steps_per_epoch} steps/epoch, training to step "
+              f"{total_steps}", flush=True)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    progress = Progress(args.log_every, total_steps, global_batch, metrics, args.print_every)
+    progress = Progress(args.log_every, total_steps, global_batch, metrics,
+                        args.print_every)
     save_group, pending = checkpoint_group(args), None
     model.train()
     for epoch in range(start_epoch, math.ceil(total_steps / steps_per_epoch)):
@@ -589,30 +677,38 @@ def main() -> None:
             if step >= total_steps:
                 break
             if args.count_comm and progress.steps_this_run == 0:
-                marks = {f"blocks.{i}": block for i, block in enumerate(model.blocks)}
+                marks = {f"blocks.{i}": block
+                         for i, block in enumerate(model.blocks)}
                 with CollectiveLog(marks) as log:
-                    step_loss = train_step(model, optimizer, micro_batches, args, device)
+                    step_loss = train_step(model, optimizer, micro_batches, args,
+                                           device)
                 record_collectives(metrics, log)
             else:
                 step_loss = train_step(model, optimizer, micro_batches, args, device)
             step += 1
             progress.step_done(step, epoch, step_loss)
-            if args.checkpoint_dir and (step % args.save_every == 0 or step == total_steps):
+            if args.checkpoint_dir and (step % args.save_every == 0 or step
+                                        == total_steps):
                 saved_at = time.perf_counter()
-                if pending is not None:  # the previous asynchronous save must be published first
+                # the previous asynchronous save must be published first
+                if pending is not None:
                     finish_save(pending, args.keep)
-                train_state = {"step": step, "epoch": epoch, "step_in_epoch": step_in_epoch + 1,
+                train_state = {"step": step, "epoch": epoch,
+                               "step_in_epoch": step_in_epoch + 1,
                                "meta": meta}
-                pending = start_save(args, model, optimizer, train_state, device, save_group)
+                pending = start_save(args, model, optimizer, train_state, device,
+                                     save_group)
                 blocking = time.perf_counter() - pending.started
                 if not args.async_save:
                     finish_save(pending, args.keep)
                     pending = None
                 seconds = progress.exclude_since(saved_at)
-                metrics.write(event="checkpoint", step=step, seconds=seconds, blocking_s=blocking,
+                metrics.write(event="checkpoint", step=step, seconds=seconds,
+                              blocking_s=blocking,
                               asynchronous=args.async_save)
             if step == args.crash_at_step and rank == args.crash_rank:
-                sys.stderr.write(f"[rank {rank}] fault injection: SIGKILL after step {step}\n")
+                sys.stderr.write(f"[rank {rank}] fault injection: SIGKILL after "
+                                 f"step {step}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     if pending is not None:

@@ -3,16 +3,18 @@
     torchrun --standalone --nproc_per_node=2 scripts/ch4_pitfalls.py
     torchrun --standalone --nproc_per_node=2 scripts/ch4_pitfalls.py --pitfalls tied_weights
 
-submodule_call         calling a submodule that is not an FSDP unit, outside the root's forward
-optimizer_too_early    building the optimizer before fully_shard replaced the parameters
-edit_gathered_copy     changing the gathered parameters, which FSDP throws away at reshard
-mixed_apis             wrapping FSDP2 units in an FSDP1 wrapper
-tied_weights           putting two modules that share a weight into different FSDP units
-state_dict_one_rank    gathering a full state dict inside `if rank == 0:` (a deadlock)
+submodule_call         calling a submodule that is not an FSDP unit, outside the
+root's forward optimizer_too_early    building the optimizer before fully_shard
+replaced the parameters edit_gathered_copy     changing the gathered parameters,
+which FSDP throws away at reshard mixed_apis             wrapping FSDP2 units in an
+FSDP1 wrapper tied_weights           putting two modules that share a weight into
+different FSDP units state_dict_one_rank    gathering a full state dict inside `if
+rank == 0:` (a deadlock)
 
-Every collective here gives up after --timeout-s seconds instead of waiting for ever, so the
-deadlock ends with an error on rank 0. It runs last: a collective that timed out leaves its
-process group unusable, so the other ranks wait for rank 0's word on a TCPStore instead.
+Every collective here gives up after --timeout-s seconds instead of waiting for ever,
+so the deadlock ends with an error on rank 0. It runs last: a collective that timed
+out leaves its process group unusable, so the other ranks wait for rank 0's word on a
+TCPStore instead.
 """
 
 import argparse
@@ -30,7 +32,8 @@ from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_g
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.ports import free_port
 
-PITFALLS = ["submodule_call", "optimizer_too_early", "edit_gathered_copy", "mixed_apis", "tied_weights",
+PITFALLS = ["submodule_call", "optimizer_too_early", "edit_gathered_copy",
+            "mixed_apis", "tied_weights",
             "state_dict_one_rank"]
 
 
@@ -57,7 +60,8 @@ def attempt(action) -> str | None:
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:
-    return {name: value.full_tensor().clone() for name, value in model.state_dict().items()}
+    return {name: value.full_tensor().clone()
+            for name, value in model.state_dict().items()}
 
 
 def submodule_call(tokens, targets) -> dict:
@@ -97,11 +101,13 @@ def edit_gathered_copy(tokens, targets) -> dict:
     start = model.tok_emb.weight.full_tensor().clone()
     model.unshard()
     with torch.no_grad():
-        model.tok_emb.weight.mul_(0.5)  # the gathered copy: reshard frees it, edit too
+        # the gathered copy: reshard frees it, edit too
+        model.tok_emb.weight.mul_(0.5)
     model.reshard()
     after_broken = model.tok_emb.weight.full_tensor().clone()
     with torch.no_grad():
-        model.tok_emb.weight.mul_(0.5)  # the sharded DTensor: every rank halves its shard
+        # the sharded DTensor: every rank halves its shard
+        model.tok_emb.weight.mul_(0.5)
     after_fixed = model.tok_emb.weight.full_tensor()
     return {"broken_unchanged": torch.equal(after_broken, start),
             "fixed_halved": torch.equal(after_fixed, start * 0.5)}
@@ -143,7 +149,8 @@ def tied_weights(tokens, targets) -> dict:
 def state_dict_one_rank(tokens, targets, store: dist.TCPStore) -> dict:
     model = shard(new_model())
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    # Fixed: every rank takes part in the gather; cpu_offload leaves the result on rank 0.
+    # Fixed: every rank takes part in the gather; cpu_offload leaves the result on
+    # rank 0.
     full = get_model_state_dict(model, options=options)
     fixed_keys = len(full)
     broken = None
@@ -160,19 +167,23 @@ def state_dict_one_rank(tokens, targets, store: dist.TCPStore) -> dict:
 
 
 def side_channel(timeout_s: float) -> dist.TCPStore:
-    """A key-value store that is no collective: it still works after a collective timed out."""
+    """A key-value store that is no collective: it still works after a collective
+    timed out."""
     port = [free_port() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(port, src=0)
-    return dist.TCPStore(os.environ["MASTER_ADDR"], port[0], dist.get_world_size(), dist.get_rank() == 0,
+    return dist.TCPStore(os.environ["MASTER_ADDR"], port[0], dist.get_world_size(),
+                         dist.get_rank() == 0,
                          timeout=datetime.timedelta(seconds=10 * timeout_s))
 
 
 def parse_args() -> argparse.Namespace:
     parser = script_parser(__doc__)
-    parser.add_argument("--pitfalls", nargs="+", choices=PITFALLS, default=PITFALLS, metavar="NAME",
+    parser.add_argument("--pitfalls", nargs="+", choices=PITFALLS, default=PITFALLS,
+                        metavar="NAME",
                         help=f"which to show (default: all): {', '.join(PITFALLS)}")
     parser.add_argument("--timeout-s", type=positive_int, default=10,
-                        help="how long any collective may wait for the other ranks (default: 10)")
+                        help="how long any collective may wait for the other ranks "
+                             "(default: 10)")
     add_backend_and_metrics(parser)
     return parser.parse_args()
 
@@ -183,11 +194,14 @@ def main() -> None:
     metrics = open_metrics(args.metrics, backend, device)
     store = side_channel(args.timeout_s)
     torch.manual_seed(1)
-    tokens = torch.randint(0, MODEL_SIZES["tiny"].vocab_size, (2, MODEL_SIZES["tiny"].context), device=device)
+    tokens = torch.randint(0, MODEL_SIZES["tiny"].vocab_size,
+                           (2, MODEL_SIZES["tiny"].context), device=device)
     targets = torch.roll(tokens, -1, dims=1)
     torch.set_default_device(device)
-    demos = {"submodule_call": submodule_call, "optimizer_too_early": optimizer_too_early,
-             "edit_gathered_copy": edit_gathered_copy, "mixed_apis": mixed_apis, "tied_weights": tied_weights}
+    demos = {"submodule_call": submodule_call,
+             "optimizer_too_early": optimizer_too_early,
+             "edit_gathered_copy": edit_gathered_copy, "mixed_apis": mixed_apis,
+             "tied_weights": tied_weights}
     for name in [p for p in PITFALLS if p in args.pitfalls]:
         if name == "state_dict_one_rank":
             outcome = state_dict_one_rank(tokens, targets, store)

@@ -1,18 +1,19 @@
-"""Before the real job: which process runs where, on which address; can all of them talk?
+"""Before the real job: which process runs where, on which address; can all of them
+talk?
 
     # on every node (the first node's name as the rendezvous endpoint)
     torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d \\
         --rdzv-endpoint=node0:29500 --rdzv-id=check scripts/ch5_cluster_check.py
 
-Every process reports its ranks, its host, the network interface and address its backend
-will use (the interface GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names; without one, the
-address its host name resolves to) and where the rendezvous put the process group's store
-(MASTER_ADDR:MASTER_PORT). Then one all_reduce over the whole world shows that every
-process reaches every other.
+Every process reports its ranks, its host, the network interface and address its
+backend will use (the interface GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names;
+without one, the address its host name resolves to) and where the rendezvous put the
+process group's store (MASTER_ADDR:MASTER_PORT). Then one all_reduce over the whole
+world shows that every process reaches every other.
 
 --timeout bounds joining the process group and that all_reduce: a peer that cannot be
-reached becomes an error after that many seconds, instead of a hang of 30 minutes (gloo's
-default; NCCL's is 10).
+reached becomes an error after that many seconds, instead of a hang of 30 minutes
+(gloo's default; NCCL's is 10).
 """
 
 import argparse
@@ -46,7 +47,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def interface_address(name: str) -> str | None:
-    """The IPv4 address of interface ``name`` on this host, or None if it has none."""
+    """The IPv4 address of interface ``name`` on this host, or None if it has
+    none."""
     request = struct.pack("256s", name[:15].encode())
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
@@ -75,13 +77,15 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     via, address = chosen_address(backend)
     me = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-          "node_rank": int(os.environ.get("GROUP_RANK", 0)), "host": socket.gethostname(),
+          "node_rank": int(os.environ.get("GROUP_RANK", 0)),
+          "host": socket.gethostname(),
           "via": via, "address": address,
           "store": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
     everyone = [None] * world_size
     dist.all_gather_object(everyone, me)
 
-    # One collective over the whole world proves every process on every node is connected.
+    # One collective over the whole world proves every process on every node is
+    # connected.
     total = torch.ones(1, device=device)
     dist.all_reduce(total)
     if total.item() != world_size:

@@ -1,4 +1,5 @@
-"""What communication costs between nodes: all-reduce, buckets, overlap, accumulation.
+"""What communication costs between nodes: all-reduce, buckets, overlap,
+accumulation.
 
     # one process on each of two nodes (the book runs it on its cluster lab)
     torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d \\
@@ -6,8 +7,8 @@
     torchrun --standalone --nproc_per_node=2 scripts/ch5_link_benchmark.py \\
         --experiments overlap
 
-Every experiment trains the chapter's model (ch3_train.py's GPT at --model, --batch-size
-windows per process, AdamW) and changes one thing:
+Every experiment trains the chapter's model (ch3_train.py's GPT at --model,
+--batch-size windows per process, AdamW) and changes one thing:
 
   allreduce     all_reduce of --sizes-mib MiB: time, algorithm and bus bandwidth
   buckets       DDP step time for each --bucket-caps value (MiB)
@@ -60,23 +61,29 @@ def parse_args() -> argparse.Namespace:
     parser = script_parser(__doc__)
     add = parser.add_argument
     add("--experiments", nargs="+", choices=EXPERIMENTS, default=EXPERIMENTS,
-        metavar="NAME", help=f"which to run (default: all of {', '.join(EXPERIMENTS)})")
+        metavar="NAME",
+        help=f"which to run (default: all of {', '.join(EXPERIMENTS)})")
     add("--model", choices=sorted(MODEL_SIZES), default="medium",
-        help="model size (default: medium, whose gradients take tens of ms at 1 Gbit/s)")
+        help="model size (default: medium, whose gradients take tens of ms at 1 "
+             "Gbit/s)")
     add("--batch-size", type=positive_int, default=2,
-        help="windows per process (default 2: little compute, so communication shows)")
+        help="windows per process (default 2: little compute, so communication "
+             "shows)")
     add("--steps", type=positive_int, default=10,
         help="timed steps per configuration (default 10)")
-    add("--warmup", type=positive_int, default=2, help="untimed steps first (default 2)")
+    add("--warmup", type=positive_int, default=2,
+        help="untimed steps first (default 2)")
     add("--sizes-mib", nargs="+", type=positive_float, default=[0.25, 1, 4, 16],
         metavar="MiB", help="all_reduce message sizes (default: 0.25 1 4 16)")
-    add("--bucket-caps", nargs="+", type=positive_float, default=[0.05, 0.25, 1, 4, 25],
+    add("--bucket-caps", nargs="+", type=positive_float,
+        default=[0.05, 0.25, 1, 4, 25],
         metavar="MiB", help="bucket_cap_mb values for the bucket sweep")
     add("--bucket-cap-mb", type=positive_float, default=1.0,
         help="bucket size for the other experiments (default 1)")
     add("--accum-steps", type=positive_int, default=4,
         help="micro-batches per optimizer step, accumulation experiment (default 4)")
-    add("--seed", type=int, default=DEFAULTS.seed, help="seeds the weights and the data")
+    add("--seed", type=int, default=DEFAULTS.seed,
+        help="seeds the weights and the data")
     add_backend_and_metrics(parser)
     return parser.parse_args()
 
@@ -86,7 +93,8 @@ def median_ms(times: dict[str, list[float]]) -> dict[str, float]:
 
 
 def median_and_quartiles(ms: list[float]) -> dict[str, float]:
-    """The median step and the p25-p75 spread that any difference between settings must beat."""
+    """The median step and the p25-p75 spread that any difference between
+    settings must beat."""
     p25, _, p75 = statistics.quantiles(ms, n=4)
     return {"step_ms": statistics.median(ms), "p25_ms": p25, "p75_ms": p75}
 
@@ -94,17 +102,20 @@ def median_and_quartiles(ms: list[float]) -> dict[str, float]:
 def build(args, device, **ddp_options):
     """A fresh DDP model from the same seed, and its optimizer."""
     torch.manual_seed(args.seed)
-    ddp = DDP(GPT(MODEL_SIZES[args.model]).to(device), device_ids=ddp_device_ids(device),
+    ddp = DDP(GPT(MODEL_SIZES[args.model]).to(device),
+              device_ids=ddp_device_ids(device),
               **ddp_options)
     return ddp, torch.optim.AdamW(ddp.parameters(), lr=DEFAULTS.lr)
 
 
-def train_step(ddp, optimizer, data, communicate: bool = True, waits: list | None = None,
+def train_step(ddp, optimizer, data, communicate: bool = True,
+               waits: list | None = None,
                clock: LastGradientClock | None = None) -> None:
-    """One step; with ``waits``, also how long backward ran on after its last gradient.
+    """One step; with ``waits``, also how long backward ran on after its last
+    gradient.
 
-    That is the time DDP's backward waits for the buckets' all-reduces still in flight:
-    communication that no computation hid.
+    That is the time DDP's backward waits for the buckets' all-reduces still in
+    flight: communication that no computation hid.
     """
     x, y = next(data)
     with nullcontext() if communicate else ddp.no_sync():
@@ -125,8 +136,9 @@ def after_backward_step(ddp, optimizer, data, bucket_bytes: list[int], waits: li
                         clock: LastGradientClock) -> None:
     """Data parallelism without overlap: finish backward, then average the gradients.
 
-    The gradients are cut into DDP's bucket sizes, so the messages are the same as DDP's:
-    the one difference is that not one byte moves until backward is done.
+    The gradients are cut into DDP's bucket sizes, so the messages are the same
+    as DDP's: the one difference is that not one byte moves until backward is
+    done.
     """
     x, y = next(data)
     with ddp.no_sync():
@@ -145,7 +157,8 @@ def after_backward_step(ddp, optimizer, data, bucket_bytes: list[int], waits: li
 
 
 def warm_layout(ddp, optimizer, data) -> list[int]:
-    """DDP lays its buckets out again after the first backward; return the new layout."""
+    """DDP lays its buckets out again after the first backward; return the new
+    layout."""
     for _ in range(3):
         train_step(ddp, optimizer, data)
     return bucket_sizes(ddp)
@@ -160,7 +173,8 @@ def run_allreduce(args, device, batches, report) -> None:
     world = dist.get_world_size()
     buffers = {mib: torch.ones(int(mib * 2**20) // 4, device=device)
                for mib in args.sizes_mib}
-    functions = {mib: partial(dist.all_reduce, buffer) for mib, buffer in buffers.items()}
+    functions = {mib: partial(dist.all_reduce, buffer)
+                 for mib, buffer in buffers.items()}
     times = median_ms(time_in_turns(functions, args.steps, args.warmup, device))
     for mib, ms in times.items():
         algbw = mib * 2**20 / (ms / 1000) / 1e9
@@ -170,9 +184,11 @@ def run_allreduce(args, device, batches, report) -> None:
 
 
 def run_buckets(args, device, batches, report) -> None:
-    models = {cap: build(args, device, bucket_cap_mb=cap) for cap in args.bucket_caps}
+    models = {cap: build(args, device, bucket_cap_mb=cap)
+              for cap in args.bucket_caps}
     data = cycle(batches)
-    layouts = {cap: warm_layout(ddp, opt, data) for cap, (ddp, opt) in models.items()}
+    layouts = {cap: warm_layout(ddp, opt, data)
+               for cap, (ddp, opt) in models.items()}
     steps = {cap: partial(train_step, ddp, opt, data)
              for cap, (ddp, opt) in models.items()}
     times = time_in_turns(steps, args.steps, args.warmup, device)
@@ -191,10 +207,13 @@ def run_overlap(args, device, batches, report) -> None:
     clock = LastGradientClock(ddp.module)
     data = cycle(batches)
     layout = warm_layout(ddp, optimizer, data)
-    buffers = [torch.randn(n // 4, device=device) for n in layout]  # fp32: 4 bytes each
+    # fp32: 4 bytes each
+    buffers = [torch.randn(n // 4, device=device) for n in layout]
     ddp_waits, after_waits = [], []
-    functions = {"ddp": partial(train_step, ddp, optimizer, data, True, ddp_waits, clock),
-                 "local": partial(train_step, ddp, optimizer, data, communicate=False),
+    functions = {"ddp": partial(train_step, ddp, optimizer, data, True, ddp_waits,
+                                clock),
+                 "local": partial(train_step, ddp, optimizer, data,
+                                  communicate=False),
                  "comm": partial(all_reduce_each, buffers),
                  "after": partial(after_backward_step, ddp, optimizer, data, layout,
                                   after_waits, clock)}
@@ -202,15 +221,18 @@ def run_overlap(args, device, batches, report) -> None:
     waited_ddp = exposed_ms(ddp_waits, args.warmup, device)
     waited_after = exposed_ms(after_waits, args.warmup, device)
     report("overlap", bucket_cap_mb=args.bucket_cap_mb, buckets=len(layout),
-           gradient_mib=sum(layout) / 2**20, t_ddp_ms=t["ddp"], t_local_ms=t["local"],
+           gradient_mib=sum(layout) / 2**20, t_ddp_ms=t["ddp"],
+           t_local_ms=t["local"],
            t_comm_ms=t["comm"], t_after_ms=t["after"],
            exposed_ddp_by_subtraction=(t["ddp"] - t["local"]) / t["comm"],
            exposed_after_by_subtraction=(t["after"] - t["local"]) / t["comm"],
            waited_ddp_ms=waited_ddp, waited_after_ms=waited_after,
-           exposed_ddp=waited_ddp / t["comm"], exposed_after=waited_after / t["comm"])
+           exposed_ddp=waited_ddp / t["comm"],
+           exposed_after=waited_after / t["comm"])
 
 
-def accumulation_step(ddp, optimizer, data, accum_steps: int, use_no_sync: bool) -> None:
+def accumulation_step(ddp, optimizer, data, accum_steps: int,
+                      use_no_sync: bool) -> None:
     for micro in range(accum_steps):
         x, y = next(data)
         last = micro == accum_steps - 1
@@ -229,9 +251,11 @@ def run_accumulation(args, device, batches, report) -> None:
     waits = []
     functions = {"every": partial(accumulate, use_no_sync=False),
                  "no_sync": partial(accumulate, use_no_sync=True),
-                 "ddp": partial(train_step, ddp, optimizer, data, True, waits, clock)}
+                 "ddp": partial(train_step, ddp, optimizer, data, True, waits,
+                                clock)}
     t = median_ms(time_in_turns(functions, args.steps, args.warmup, device))
-    # Each all-reduce skipped saves the communication a step exposes, measured directly.
+    # Each all-reduce skipped saves the communication a step exposes, measured
+    # directly.
     predicted = (args.accum_steps - 1) * exposed_ms(waits, args.warmup, device)
     report("accumulation", accum_steps=args.accum_steps, every_ms=t["every"],
            no_sync_ms=t["no_sync"], saved_ms=t["every"] - t["no_sync"],
@@ -248,12 +272,14 @@ def bf16_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tens
 
 
 def run_compression(args, device, batches, report) -> None:
-    hooks = {"none": None, "fp16": default_hooks.fp16_compress_hook, "bf16": bf16_hook}
+    hooks = {"none": None, "fp16": default_hooks.fp16_compress_hook,
+             "bf16": bf16_hook}
     models = {}
     for name, hook in hooks.items():
         ddp, optimizer = build(args, device, bucket_cap_mb=args.bucket_cap_mb)
         if hook is not None:
-            # The hook casts each bucket to 16 bits, all-reduces it, casts the mean back.
+            # The hook casts each bucket to 16 bits, all-reduces it, casts the mean
+            # back.
             ddp.register_comm_hook(state=None, hook=hook)
         models[name] = (ddp, optimizer)
     data = cycle(batches)
@@ -267,7 +293,8 @@ def run_compression(args, device, batches, report) -> None:
                bytes_per_element=4 if name == "none" else 2)
 
 
-RUNNERS = {"allreduce": run_allreduce, "buckets": run_buckets, "overlap": run_overlap,
+RUNNERS = {"allreduce": run_allreduce, "buckets": run_buckets,
+           "overlap": run_overlap,
            "accumulation": run_accumulation, "compression": run_compression}
 
 
@@ -290,8 +317,9 @@ def main() -> None:
             print(f"{experiment:>12}: " + "  ".join(shown), flush=True)
 
     if rank == 0:
-        print(f"{args.model} model, batch {args.batch_size} per process, {world_size} "
-              f"processes, {backend} on {device.type}; medians of {args.steps} steps",
+        print(f"{args.model} model, batch {args.batch_size} per process, "
+              f"{world_size} processes, {backend} on {device.type}; medians of "
+              f"{args.steps} steps",
               flush=True)
     for name in args.experiments:
         RUNNERS[name](args, device, batches, report)

@@ -117,21 +117,6 @@ LISTING_WIDTH = 85
 # A code cell tagged hide-input sits in the toggle's frame, 20 pixels narrower: 83 characters.
 HIDDEN_INPUT_WIDTH = 83
 
-# Pages whose code was written before the width rule (chapters 4 and 5): each still has code
-# cells or listings wider than the page. They are excused as whole pages until their chapter is
-# wrapped to LISTING_WIDTH, as every other chapter is; remove a page here once
-# `listing_problems` reports nothing for it. The browser test applies every other check to them.
-NOT_YET_WRAPPED = {
-    "book/ch4_fsdp",
-    *(f"notebooks/ch4_fsdp/{n}" for n in (
-        "01_from_ddp_to_fsdp", "02_sharding_by_hand", "03_running_fsdp", "04_memory_measured",
-        "05_sharded_checkpoints", "06_pitfalls")),
-    "book/ch5_clusters",
-    *(f"notebooks/ch5_clusters/{n}" for n in (
-        "01_cluster_in_a_box", "02_communication_on_a_slow_link", "03_slurm_and_preemption",
-        "04_elastic_and_hangs")),
-}
-
 
 def _fenced_blocks(markdown: str) -> list[tuple[str, str]]:
     """(info string, body) of every ``` fenced block in a markdown cell."""

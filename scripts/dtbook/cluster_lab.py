@@ -242,24 +242,29 @@ class ClusterLab:
     def _build(self) -> None:
         self.dir.mkdir(parents=True)
         self.nodes = [Node(k, f"node{k}", f"{self.subnet}.{10 + k}",
-                           f"{PREFIX}{self.slot}-node{k}", f"{PREFIX}{self.slot}v{k}")
+                           f"{PREFIX}{self.slot}-node{k}",
+                           f"{PREFIX}{self.slot}v{k}")
                       for k in range(self.node_count)]
         _command(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _command(["ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge])
+        _command(["ip", "addr", "add", f"{self.host_address}/24", "dev",
+                  self.bridge])
         _command(["ip", "link", "set", self.bridge, "up"])
         for node in self.nodes:
             _command(["ip", "netns", "add", node.netns])
             self._netns_inodes.add(os.stat(f"/run/netns/{node.netns}").st_ino)
             _command(["ip", "link", "add", node.host_link, "type", "veth",
                       "peer", "name", node.interface, "netns", node.netns])
-            _command(["ip", "link", "set", node.host_link, "master", self.bridge, "up"])
+            _command(["ip", "link", "set", node.host_link, "master", self.bridge,
+                      "up"])
             _command(["ip", "-n", node.netns, "addr", "add", f"{node.address}/24",
                       "dev", node.interface])
             _command(["ip", "-n", node.netns, "link", "set", node.interface, "up"])
             _command(["ip", "-n", node.netns, "link", "set", "lo", "up"])
-        hosts = ["127.0.0.1 localhost", f"{self.host_address} {socket.gethostname()}"]
+        hosts = ["127.0.0.1 localhost",
+                 f"{self.host_address} {socket.gethostname()}"]
         hosts += [f"{node.address} {node.hostname}" for node in self.nodes]
-        # Servers listening on IPv6 sockets see peers as ::ffff:a.b.c.d and look that up.
+        # Servers listening on IPv6 sockets see peers as ::ffff:a.b.c.d and look that
+        # up.
         hosts += [f"::ffff:{node.address} {node.hostname}" for node in self.nodes]
         self.hosts_file.write_text("\n".join(hosts) + "\n")
         self.resolv_file.write_text(RESOLV_CONF)
@@ -434,9 +439,11 @@ class PlugPull:
 
 
 def tbf_parameters(rate_gbit: float) -> list[str]:
-    """tbf for ``rate_gbit``: a bucket of one millisecond at the rate, a 50 ms queue."""
+    """tbf for ``rate_gbit``: a bucket of one millisecond at the rate, a 50 ms
+    queue."""
     rate_bits = int(rate_gbit * 1e9)
-    burst = max(rate_bits // 8 // 1000, 64 * 1024)  # at least one 64 KiB segment (GSO)
+    # at least one 64 KiB segment (GSO)
+    burst = max(rate_bits // 8 // 1000, 64 * 1024)
     return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "50ms"]
 
 

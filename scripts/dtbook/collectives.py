@@ -49,7 +49,8 @@ FUNCTIONAL_KINDS = {
 
 
 def ring_traffic(kind: str, nbytes: int, group_size: int) -> float:
-    """Bytes each rank sends when a ring algorithm runs ``kind`` on ``nbytes`` bytes."""
+    """Bytes each rank sends when a ring algorithm runs ``kind`` on ``nbytes``
+    bytes."""
     if group_size == 1:
         return 0.0
     if kind == "send":  # one rank to one other: every byte leaves

@@ -166,11 +166,13 @@ class SlurmLab:
                  "pid-file": "munged.pid", "log-file": "munged.log",
                  "seed-file": "munged.seed"}
         self._spawn(["munged", "--foreground", "--force",
-                     *(f"--{option}={munge / name}" for option, name in files.items())])
+                     *(f"--{option}={munge / name}"
+                       for option, name in files.items())])
         self._wait_for((munge / "munge.sock").exists, 10, "munged has no socket")
         # The controller runs on the host, the login node of the lab.
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)])
-        # Each slurmd runs on its node, under the node's name: jobs start inside the node.
+        # Each slurmd runs on its node, under the node's name: jobs start inside the
+        # node.
         for node in self.lab.nodes:
             slurmd = ["slurmd", "-D", "-N", node.hostname, "-f", self.conf]
             self._daemons.append(self.lab.popen(node.index, slurmd,

@@ -9,7 +9,6 @@ from urllib.parse import urljoin
 import pytest
 
 from build_book import resolve_entry, toc_entries
-from check_book import NOT_YET_WRAPPED
 from support import REPO
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -73,16 +72,6 @@ def browser():
         browser.close()
 
 
-def too_wide(entry: str, blocks: list[dict]) -> list[dict]:
-    """The blocks that overflow their box, unless the page is one NOT_YET_WRAPPED excuses."""
-    return [] if entry in NOT_YET_WRAPPED else blocks
-
-
-def test_pages_excused_from_the_width_rule_are_pages_of_the_book():
-    """A renamed or removed page must leave the list, so that it can only shrink."""
-    assert NOT_YET_WRAPPED <= set(toc_entries(REPO / "_toc.yml"))
-
-
 @pytest.mark.parametrize("entry", toc_entries(REPO / "_toc.yml"))
 def test_page_renders_in_a_browser(server, browser, entry):
     page = browser.new_page(viewport=VIEWPORT)
@@ -110,7 +99,7 @@ def test_page_renders_in_a_browser(server, browser, entry):
     assert typeset >= formulas, f"{formulas} formulas on the page, {typeset} typeset by MathJax"
     unexpected = [m for m in console_errors if not any(n in m for n in KNOWN_CONSOLE_NOISE)]
     assert unexpected == [], f"console errors: {unexpected}"
-    wide = too_wide(entry, page.evaluate(WIDE_CODE_JS))
+    wide = page.evaluate(WIDE_CODE_JS)
     assert wide == [], f"code wider than the page at {VIEWPORT['width']} px: {wide}"
     if resolve_entry(entry, REPO).suffix == ".ipynb":
         # The download button offers the executed notebook, for a reader's JupyterLab.
