@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 scripts/ch6_lightning.py             # two processes
     torchrun --standalone --nproc_per_node=2 scripts/ch6_lightning.py --accum-steps 2 --amp bf16
+    torchrun --standalone --nproc_per_node=2 scripts/ch6_lightning.py --val-windows 11
     torchrun --standalone --nproc_per_node=2 scripts/ch6_lightning.py --strategy model-parallel
     torchrun --standalone --nproc_per_node=2 scripts/ch6_lightning.py --checkpoint-dir runs/l --resume
     python scripts/ch6_lightning.py                                              # a world of one
@@ -23,6 +24,11 @@ ckpt_path="last"). The run records what Lightning set up, so the book can show i
 --sampler book             chapter 3's own rank_loader; Lightning is told to leave it alone
 --sampler resumable        the same, plus state_dict/load_state_dict: Lightning checkpoints
                            the position inside the epoch and resumes from it
+--val-windows N            validate once, after the last step, on N held-out windows: with
+                           --sampler lightning through the padded DistributedSampler that
+                           Lightning injects, else rank r takes windows r, r + W, ... once each;
+                           rank 0 also evaluates the whole set alone, the exact reference
+--amp fp16                 precision="16-mixed": on a CPU Lightning runs bf16-mixed instead
 
 Under torchrun Lightning joins the process group torchrun describes; under srun (one task per
 device) it reads Slurm's variables through SLURMEnvironment, and on SIGUSR1 it saves
@@ -50,6 +56,7 @@ require_reproducible_cpu_math()
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.environments import SLURMEnvironment  # noqa: E402
 from lightning.pytorch.strategies import (  # noqa: E402
@@ -77,7 +84,13 @@ from dtbook.cli import (  # noqa: E402
     run_main,
     script_parser,
 )
-from dtbook.data import DEFAULTS, corpus_windows, rank_loader  # noqa: E402
+from dtbook.data import (  # noqa: E402
+    DEFAULTS,
+    TokenWindows,
+    corpus_windows,
+    rank_loader,
+    synthetic_corpus,
+)
 from dtbook.distributed import choose_backend, open_metrics  # noqa: E402
 from dtbook.model import GPT, MODEL_SIZES  # noqa: E402
 
@@ -91,12 +104,14 @@ def quiet_library_notices() -> None:
 
     Two deprecation warnings raised inside Lightning 2.6.6's own code (its pytree
     helper and its all_gather), the advertisement for its cloud logger, the hint to
-    use srun on a machine that has Slurm installed, and the report of no TPU. Everything
-    else Lightning says, warnings about the reader's code included, is kept.
+    use srun on a machine that has Slurm installed, the report of no TPU, and the notice
+    that a run without --val-windows skips validation_step. Everything else Lightning
+    says, warnings about the reader's code included, is kept.
     """
     for message in [r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                     r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
-                    r"The `srun` command is available on your system but is not used"]:
+                    r"The `srun` command is available on your system but is not used",
+                    r"You defined a `validation_step` but have no `val_dataloader`"]:
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: not record.getMessage().startswith(("💡 Tip:", "TPU available: False")))
@@ -135,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--save-every", type=positive_int, default=50,
         help="checkpoint every N optimizer steps, and last.ckpt with it (default: 50)")
     add("--resume", action="store_true", help='continue from --checkpoint-dir/last.ckpt (ckpt_path="last")')
+    add("--val-windows", type=positive_int,
+        help="validate once after the last step on this many held-out windows (default: none)")
     add("--log-every", type=positive_int, default=10, help="log the loss every N steps")
     add("--print-every", type=positive_int,
         help="print progress on the console every N steps (default: every logged step)")
@@ -154,7 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.print_every = args.print_every or args.log_every
     ddp_only = [flag for flag, on in [("--static-graph", args.static_graph),
                                       ("--find-unused-parameters", args.find_unused_parameters),
-                                      ("--comm-hook", args.comm_hook != "none")] if on]
+                                      ("--comm-hook", args.comm_hook != "none"),
+                                      # A sharded forward gathers: unequal shards would hang.
+                                      ("--val-windows", args.val_windows)] if on]
     if ddp_only and args.strategy != "ddp":
         parser.error(f"{', '.join(ddp_only)} only apply to --strategy ddp")
     return args
@@ -194,11 +213,56 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if batch_idx == 0 and self.current_epoch == 0:
+            self.record_compute_dtype()
         loss = self.model(x, y)
         self.micro_losses.append(loss.detach())
         # Which windows this step trained on, as one number: shows a replayed batch in the log.
         self.last_batch_sum = int(x.sum())
         return loss
+
+    def record_compute_dtype(self) -> None:
+        # Inside training_step the precision plugin's autocast is on: a matrix product
+        # shows the dtype the model computes in, whatever precision was asked for.
+        probe = torch.ones(2, 2, device=self.device)
+        self.metrics.write(event="compute_dtype", matmul=str((probe @ probe).dtype),
+                           autocast=torch.is_autocast_enabled(self.device.type))
+
+    # ----------------------------------------------------------------------
+    # Validation: the mean Lightning logs, and the sums that count each window once
+    # ----------------------------------------------------------------------
+
+    def window_losses(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(x)
+        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+
+    def validation_step(self, batch, batch_idx):
+        per_window = self.window_losses(*batch)
+        # What a Lightning program usually logs: the batch mean, then the mean over ranks.
+        self.log("val_loss", per_window.mean(), sync_dist=True)
+        # Sums over batches and ranks: every window evaluated counts once, repeats too.
+        self.log("val_loss_sum", per_window.sum(), sync_dist=True, reduce_fx="sum")
+        self.log("val_windows", float(len(per_window)), sync_dist=True, reduce_fx="sum")
+
+    def on_validation_start(self) -> None:
+        # The dataset indices this rank's validation loader will visit, gathered on every rank.
+        self.val_indices = [None] * dist.get_world_size()
+        dist.all_gather_object(self.val_indices,
+                               [int(i) for i in self.trainer.val_dataloaders.sampler])
+
+    def on_validation_end(self) -> None:
+        logged = {k: v.item() for k, v in self.trainer.callback_metrics.items()
+                  if k.startswith("val_")}
+        alone = None
+        if self.global_rank == 0:  # the reference: the whole set, each window once
+            val = self.trainer.val_dataloaders.dataset
+            windows = [val[i] for i in range(len(val))]
+            x, y = (torch.stack(t).to(self.device) for t in zip(*windows, strict=True))
+            with torch.no_grad(), self.trainer.precision_plugin.forward_context():
+                alone = self.window_losses(x, y).mean().item()
+        self.metrics.write(event="validation", step=self.trainer.global_step,
+                           sampler=type(self.trainer.val_dataloaders.sampler).__name__,
+                           rank_indices=self.val_indices, one_process_loss=alone, **logged)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None):
@@ -232,6 +296,7 @@ class LitGPT(L.LightningModule):
         # The loader exists from here on: Lightning has replaced its sampler by now.
         trainer = self.trainer
         sampler = trainer.train_dataloader.sampler
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # fp16 on a GPU only
         self.metrics.write(
             event="lightning_setup",
             strategy=type(trainer.strategy).__name__,
@@ -240,6 +305,8 @@ class LitGPT(L.LightningModule):
             world_size=dist.get_world_size(),
             wrapped_model=type(trainer.strategy.model).__name__,
             precision=trainer.precision,
+            precision_plugin=type(trainer.precision_plugin).__name__,
+            grad_scaler=type(scaler).__name__ if scaler else None,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             pl_global_seed=os.environ.get("PL_GLOBAL_SEED"),
             sampler=type(sampler).__name__,
@@ -387,6 +454,9 @@ def checkpointing(args) -> list[ModelCheckpoint]:
 def make_trainer(args, backend: str, devices: int, num_nodes: int,
                  total_steps: int) -> L.Trainer:
     callbacks = checkpointing(args)
+    # Validate once, after the last micro-batch of all epochs; no sanity pass.
+    validation = dict(check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                      val_check_interval=total_steps * args.accum_steps)
     # Under srun: Lightning's default, spelled out. SIGUSR1 (Slurm's warning before a
     # time limit or preemption): save hpc_ckpt_N.ckpt in default_root_dir, requeue.
     plugins = [SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1)
@@ -402,7 +472,7 @@ def make_trainer(args, backend: str, devices: int, num_nodes: int,
             gradient_clip_val=args.grad_clip,
             use_distributed_sampler=args.sampler == "lightning",
             callbacks=callbacks, enable_checkpointing=bool(callbacks),
-            plugins=plugins,
+            plugins=plugins, **validation,
             default_root_dir=args.checkpoint_dir,  # hpc_ckpt_N.ckpt: saved, found
             logger=False, enable_progress_bar=False, enable_model_summary=False)
     except Exception as err:  # Lightning refuses what this device cannot do
@@ -447,6 +517,20 @@ def make_loader(args, dataset, world_size: int):
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
 
 
+def validation_loader(args, cfg, rank: int, world_size: int) -> DataLoader | None:
+    """--val-windows windows held out after the training corpus, from the same chain."""
+    if not args.val_windows:
+        return None
+    tokens = synthetic_corpus(args.corpus_tokens + args.val_windows * cfg.context,
+                              cfg.vocab_size, args.seed)
+    val = TokenWindows(tokens[args.corpus_tokens - 1:], cfg.context)
+    if args.sampler == "lightning":  # a one-device loader: Lightning injects the sampler
+        return DataLoader(val, batch_size=args.batch_size)
+    # Every window once, on one rank: the shards may differ in length by one window.
+    return DataLoader(val, batch_size=args.batch_size,
+                      sampler=range(rank, len(val), world_size))
+
+
 def save_final(args, lit: LitGPT, metrics) -> None:
     """Collective for a sharded model: gather the full weights, fingerprint, rank 0 writes."""
     full = get_model_state_dict(lit.model, options=StateDictOptions(full_state_dict=True,
@@ -485,7 +569,9 @@ def main() -> None:
     if args.resume and not (args.checkpoint_dir / "last.ckpt").exists():
         rank_zero_info(f"--resume: no last.ckpt in {args.checkpoint_dir} yet, starting from step 0")
         ckpt_path = None
-    trainer.fit(lit, train_dataloaders=make_loader(args, dataset, world_size), ckpt_path=ckpt_path)
+    trainer.fit(lit, train_dataloaders=make_loader(args, dataset, world_size),
+                val_dataloaders=validation_loader(args, cfg, process_rank(), world_size),
+                ckpt_path=ckpt_path)
     lit.metrics.write(event="process_group", created_before_trainer=group_before,
                       initialized_after_fit=dist.is_initialized())
     save_final(args, lit, lit.metrics)

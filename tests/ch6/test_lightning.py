@@ -88,6 +88,19 @@ def test_gradient_clipping_caps_the_norm(train_here, tmp_path):
         assert record["norm_after"] == pytest.approx(record["max_norm"], rel=1e-4)
 
 
+def test_fp16_on_a_cpu_trains_what_bf16_trains(train_here, tmp_path):
+    """16-mixed on a CPU is bf16-mixed (section 6.2 shows the readback); fp32 is the control."""
+    metrics = tmp_path / "fp16.jsonl"
+    steps = ["--max-steps", 4, "--batch-size", 16]
+    fp16 = train_here(tmp_path / "fp16.pt", *steps, "--amp", "fp16", "--metrics", metrics)
+    bf16 = train_here(tmp_path / "bf16.pt", *steps, "--amp", "bf16")
+    fp32 = train_here(tmp_path / "fp32.pt", *steps)
+    setup = next(r for r in read_jsonl(metrics) if r["event"] == "lightning_setup")
+    assert setup["precision"] == "bf16-mixed"
+    assert all(torch.equal(fp16[k], bf16[k]) for k in fp16)
+    assert not all(torch.equal(fp16[k], fp32[k]) for k in fp16)
+
+
 def test_resume_with_a_resumable_loader_is_bit_identical(tmp_path):
     """SIGKILL after step 17 (checkpoints at 7 and 14, mid-epoch), resume: the unbroken run's weights.
 
@@ -143,6 +156,8 @@ def test_world_shape_comes_from_the_launcher_that_started_the_process(
     (["--strategy", "fsdp"], "requires a GPU accelerator"),
     (["--backend", "nccl"], "nccl"),
     (["--wait-for-signal-after-step", "0"], "--wait-for-signal-after-step"),
+    (["--val-windows", "0"], "--val-windows"),
+    (["--strategy", "model-parallel", "--val-windows", "4"], "only apply to --strategy ddp"),
 ])
 def test_bad_input_gives_one_line_error(args, problem, lightning_script, monkeypatch, capsys):
     """Refused before any process group exists; FSDPStrategy's refusal is Lightning's own check."""
@@ -172,7 +187,7 @@ def test_fabric_bad_input_gives_one_line_error(monkeypatch, capsys):
                  "--seed", "--amp", "--bucket-cap-mb", "--backend", "--metrics",
                  "--checkpoint-dir", "--save-every", "--resume", "--crash-at-step", "--save-final",
                  "--strategy", "--sampler", "--grad-clip", "--static-graph", "--comm-hook",
-                 "--wait-for-signal-after-step"]),
+                 "--wait-for-signal-after-step", "--val-windows"]),
     (FABRIC, ["--model", "--epochs", "--max-steps", "--batch-size", "--accum-steps", "--lr",
               "--seed", "--amp", "--bucket-cap-mb", "--backend", "--metrics", "--checkpoint-dir",
               "--resume", "--crash-at-step", "--save-final"]),
