@@ -57,6 +57,10 @@ class TokenWindows(Dataset):
         return (len(self.tokens) - 1) // self.context
 
     def __getitem__(self, i: int):
+        # Past the end the slice would be empty, not an error: iterating the dataset
+        # (zip, list) relies on IndexError to stop, and would never end without it.
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} of a dataset of {len(self)}")
         start = i * self.context
         chunk = self.tokens[start : start + self.context + 1]
         return chunk[:-1], chunk[1:]

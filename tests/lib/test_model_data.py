@@ -32,6 +32,17 @@ def test_windows_are_shifted_by_one_token():
     assert torch.equal(x[1:], y[:-1])
 
 
+def test_iterating_the_windows_stops_at_the_last_one():
+    windows = corpus_windows(corpus_tokens=101, vocab_size=16, context=10, seed=0)
+    assert len(list(windows)) == len(windows) == 10
+    for outside in (len(windows), -1):
+        try:
+            windows[outside]
+        except IndexError:
+            continue
+        raise AssertionError(f"window {outside} of {len(windows)} did not raise")
+
+
 def test_ranks_get_disjoint_slices_of_one_shuffle():
     windows = corpus_windows(20_000, 256, 64, seed=0)
     seen = []
