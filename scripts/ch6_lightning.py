@@ -451,16 +451,23 @@ def checkpointing(args) -> list[ModelCheckpoint]:
                             every_n_train_steps=args.save_every, save_top_k=1)]
 
 
+def slurm_plugins() -> list:
+    """Under srun, Lightning's default spelled out, so the knob is visible.
+
+    SIGUSR1 (Slurm's warning before a time limit or preemption): save
+    hpc_ckpt_N.ckpt in the Trainer's default_root_dir, then requeue the job.
+    """
+    if not started_by_srun():
+        return []
+    return [SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1)]
+
+
 def make_trainer(args, backend: str, devices: int, num_nodes: int,
                  total_steps: int) -> L.Trainer:
     callbacks = checkpointing(args)
     # Validate once, after the last micro-batch of all epochs; no sanity pass.
     validation = dict(check_val_every_n_epoch=None, num_sanity_val_steps=0,
                       val_check_interval=total_steps * args.accum_steps)
-    # Under srun: Lightning's default, spelled out. SIGUSR1 (Slurm's warning before a
-    # time limit or preemption): save hpc_ckpt_N.ckpt in default_root_dir, requeue.
-    plugins = [SLURMEnvironment(auto_requeue=True, requeue_signal=signal.SIGUSR1)
-               ] if started_by_srun() else []
     try:
         return L.Trainer(
             accelerator="cuda" if backend == "nccl" else "cpu",
@@ -472,7 +479,7 @@ def make_trainer(args, backend: str, devices: int, num_nodes: int,
             gradient_clip_val=args.grad_clip,
             use_distributed_sampler=args.sampler == "lightning",
             callbacks=callbacks, enable_checkpointing=bool(callbacks),
-            plugins=plugins, **validation,
+            plugins=slurm_plugins(), **validation,
             default_root_dir=args.checkpoint_dir,  # hpc_ckpt_N.ckpt: saved, found
             logger=False, enable_progress_bar=False, enable_model_summary=False)
     except Exception as err:  # Lightning refuses what this device cannot do
