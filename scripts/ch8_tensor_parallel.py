@@ -338,9 +338,10 @@ def step(model: GPT, x: torch.Tensor, y: torch.Tensor, finish=None):
     return logits.detach(), loss.item()
 
 
-def fit_link(sizes: list[int], device: torch.device) -> AlphaBeta:
-    """This placement's alpha and beta, measured now: all-reduces of a few bytes and
-    of the sizes a step sends, each timed alone, back to back."""
+def time_all_reduces(sizes: list[int], device: torch.device) -> list[Measurement]:
+    """This placement's all-reduce times, measured now: a few bytes and the sizes
+    a step sends, each timed alone, back to back (alpha and beta are fitted to
+    them)."""
     world, measured = dist.get_world_size(), []
     for nbytes in sorted({256, *sizes, 2 * max(sizes)}):
         buffer = torch.zeros(nbytes // 4, device=device)
@@ -348,7 +349,7 @@ def fit_link(sizes: list[int], device: torch.device) -> AlphaBeta:
                                   rounds=3, device=device)
         seconds = statistics.median(rounds)
         measured.append(Measurement("all_reduce", world, nbytes, seconds))
-    return AlphaBeta.fit(measured, world_size=world)
+    return measured
 
 
 def time_steps(reference: GPT, x: torch.Tensor, y: torch.Tensor, steps: int,
@@ -358,7 +359,8 @@ def time_steps(reference: GPT, x: torch.Tensor, y: torch.Tensor, steps: int,
     with CollectiveLog() as log:
         step(split, x, y)
     sizes = [e["bytes"] for e in log.collectives()]  # what one step all-reduces
-    link = fit_link(sizes, device)
+    all_reduces = time_all_reduces(sizes, device)
+    link = AlphaBeta.fit(all_reduces, world_size=dist.get_world_size())
 
     def clear(model: GPT) -> None:  # each timed step starts without gradients
         model.zero_grad(set_to_none=True)
@@ -368,6 +370,8 @@ def time_steps(reference: GPT, x: torch.Tensor, y: torch.Tensor, steps: int,
                           steps, warmup=2, device=device)
     return {"message_bytes": sizes, "alpha_s": link.alpha_s,
             "beta_s_per_byte": link.beta_s_per_byte,
+            "all_reduce_ms_by_size": {m.nbytes: 1000 * m.seconds
+                                      for m in all_reduces},
             **{f"{name}_ms": spread(ms) for name, ms in times.items()}}
 
 
