@@ -199,11 +199,13 @@ def load_checkpoint(ckpt_dir: Path, device: torch.device) -> dict | None:
 
 
 class StopRequest:
-    """SIGTERM and SIGUSR1 ask the run to stop: at a step boundary, with a checkpoint.
+    """SIGTERM and SIGUSR1 ask the run to stop: at a step boundary, with a
+    checkpoint.
 
-    The handler only notes the signal, so the step in flight finishes. Ranks receive a
-    signal at different moments (or not at all), so at every step boundary they agree
-    on it with an all-reduce, and then all of them save and exit at the same step.
+    The handler only notes the signal, so the step in flight finishes. Ranks
+    receive a signal at different moments (or not at all), so at every step
+    boundary they agree on it with an all-reduce, and then all of them save and
+    exit at the same step.
     """
 
     def __init__(self):
@@ -222,7 +224,8 @@ class StopRequest:
 
 
 def stop_with_checkpoint(signum: int, args, state: dict, device, metrics) -> None:
-    """Collective: save ``state`` (unless this step was just saved); exit 128 + signum."""
+    """Collective: save ``state`` (unless this step was just saved); exit 128 +
+    signum."""
     name = signal.Signals(signum).name
     path = args.checkpoint_dir / f"ckpt_step{state['step']:08d}.pt"
     if state["step"] % args.save_every:
@@ -244,7 +247,8 @@ def stop_with_checkpoint(signum: int, args, state: dict, device, metrics) -> Non
 
 
 def accumulation_for(global_batch: int, world_size: int, batch_size: int) -> int:
-    """The --accum-steps that makes world size x --batch-size x accum = ``global_batch``.
+    """The --accum-steps that makes world size x --batch-size x accum =
+    ``global_batch``.
 
     An elastic job that shrinks keeps its global batch, and with it the optimizer's
     trajectory: the remaining processes accumulate more micro-steps per step.

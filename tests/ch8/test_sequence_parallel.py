@@ -32,7 +32,7 @@ SCRIPT = "ch8_tensor_parallel.py"
 def test_the_windows_must_cut_into_equal_parts(seq_len, world, sequence_parallel, problem):
     program = load_script(SCRIPT)
     args = argparse.Namespace(model="small", seq_len=seq_len,
-                              sequence_parallel=sequence_parallel)
+                              sequence_parallel=sequence_parallel, time_steps=None)
     assert_inputs_checked(program, args, world, problem)
 
 
