@@ -594,15 +594,19 @@ def train_step(model, optimizer, micro_batches, args,
     return step_loss, norms
 
 
-def clip_gradients(model, args) -> dict:
-    """Collective. Clip by the whole gradient's norm; return it and this rank's
-    shards' norm."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    # What a hand-written clip would use on this rank: its own shards only (the
-    # pitfall). FSDP1's gradients (use_orig_params) already are this rank's pieces.
-    local = torch.linalg.vector_norm(torch.stack([
+def local_norm(grads: list[torch.Tensor]) -> float:
+    """The norm of this rank's pieces of the gradients, as a hand-written clip
+    would compute it. FSDP1's gradients (use_orig_params) are such pieces."""
+    return torch.linalg.vector_norm(torch.stack([
         torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g)
-        for g in grads]))
+        for g in grads])).item()
+
+
+def clip_gradients(model, args) -> dict:
+    """Collective. Clip by the whole gradient's norm; return it, and this rank's
+    shards' norm before and after the clip."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = local_norm(grads)  # the pitfall: what a per-rank clip would use
     if args.api == "fsdp2":
         # DTensor gradients: the returned norm is a DTensor too, a partial value that
         # full_tensor() reduces across the mesh to the same number on every rank.
@@ -611,16 +615,19 @@ def clip_gradients(model, args) -> dict:
     else:
         # Plain tensors: torch.nn.utils would clip each rank by its own shard's norm.
         total = model.clip_grad_norm_(args.grad_clip)
-    return {"total": total.item(), "local": local.item()}
+    return {"total": total.item(), "local": local,
+            "local_clipped": local_norm(grads)}
 
 
 def record_norms(metrics, step: int, norms: dict, max_norm: float) -> None:
-    """Collective. Rank 0 writes the norm clipped by and every rank's local
-    one."""
+    """Collective. Rank 0 writes the norm clipped by and every rank's local ones,
+    before and after the clip."""
     local = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(norms["local"], local, dst=0)
+    dist.gather_object((norms["local"], norms["local_clipped"]), local, dst=0)
     metrics.write(event="grad_norm", step=step, total=norms["total"],
-                  local_by_rank=local, max_norm=max_norm)
+                  local_by_rank=[before for before, _ in local or []],
+                  clipped_by_rank=[after for _, after in local or []],
+                  max_norm=max_norm)
 
 
 def record_compile(metrics) -> None:

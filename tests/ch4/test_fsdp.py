@@ -189,5 +189,7 @@ def test_fsdp1_clips_by_the_same_norm_as_fsdp2(tmp_path):
         assert whole["total"] > 0.1, "clipping acts, so every step depends on the norm"
         assert abs(fsdp1["total"] - whole["total"]) <= tolerance, step
         assert abs(math.hypot(*fsdp1["local_by_rank"]) - fsdp1["total"]) <= tolerance, step
+        # every rank scaled by the whole norm's factor: together the shards now have norm 0.1
+        assert abs(math.hypot(*fsdp1["clipped_by_rank"]) - 0.1) <= GAP_PER_STEP * step * 0.1, step
         # the control: the norm torch.nn.utils.clip_grad_norm_ would use on an FSDP1 model
         assert all(whole["total"] - local > tolerance for local in fsdp1["local_by_rank"]), step
