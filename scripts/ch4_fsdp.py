@@ -5,6 +5,7 @@ sharded.
     torchrun --standalone --nproc_per_node=2 scripts/ch4_fsdp.py --api fsdp1 --sharding grad_op
     torchrun --standalone --nproc_per_node=4 scripts/ch4_fsdp.py --sharding hybrid --shard-group-size 2
     torchrun --standalone --nproc_per_node=2 scripts/ch4_fsdp.py --checkpoint-dir runs/ckpt --resume
+    torchrun --standalone --nproc_per_node=2 scripts/ch4_fsdp.py --grad-clip 0.5 --compile aot_eager
     python scripts/ch4_fsdp.py                                                      # a world of one
 
 Same model, data, flags and metrics as ch3_train.py, but no process holds the whole
@@ -25,6 +26,12 @@ shards, and a checkpoint loads into any number of processes. --resume continues 
 the newest complete checkpoint, as in chapter 3, and with the same number of
 processes it continues bit for bit. --save-final gathers the full weights to rank 0
 and writes one ordinary state dict file.
+
+--grad-clip MAX_NORM clips by the norm of the whole gradient, which no rank holds:
+FSDP2's clip_grad_norm_ reduces the DTensor shards' norms across the mesh, FSDP1's
+model.clip_grad_norm_ all-reduces them. --compile compiles every transformer block
+(torch.compile, then fully_shard); aot_eager traces without generating code,
+inductor also compiles C++ (slow on a CPU: one compiler run per graph).
 """
 
 import argparse
@@ -43,6 +50,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch._dynamo.utils
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
@@ -138,6 +146,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--prefetch", choices=["implicit", "explicit"], default="implicit",
         help="explicit: each block asks for the next block's all-gather before it "
              "runs (default: implicit)")
+    add("--grad-clip", type=positive_float, metavar="MAX_NORM",
+        help="clip the gradient to this total L2 norm before each optimizer step; "
+             "records the norm and each rank's local shards' norm every step")
+    add("--compile", choices=["off", "aot_eager", "inductor"], default="off",
+        help="torch.compile every transformer block with this backend before "
+             "sharding it (FSDP2 only; default: off)")
     add("--count-comm", action="store_true",
         help="record every collective of the first optimizer step")
     add("--model", choices=sorted(MODEL_SIZES), default="small",
@@ -223,6 +237,10 @@ def check_inputs(args, world_size: int, local_world_size: int, num_windows: int,
         raise ScriptError("FSDP1's CPU offload needs CUDA devices to offload from; "
                           "use --api fsdp2 (whose offload policy also runs on "
                           "CPU-only machines)")
+    if args.api == "fsdp1" and args.compile != "off":
+        raise ScriptError("--compile compiles each block before fully_shard, an FSDP2 "
+                          "recipe; this program does not compile FSDP1 units: use "
+                          "--api fsdp2")
     if args.api == "fsdp1" and args.meta_init:
         raise ScriptError("--meta-init uses FSDP2's to_empty on sharded DTensors; "
                           "with FSDP1 it would need a param_init_fn: use --api fsdp2")
@@ -339,6 +357,12 @@ def build_model(args, device: torch.device, rank: int, mesh: DeviceMesh):
     if args.activation_checkpointing:
         for block in model.blocks:
             checkpoint_activations(block)
+    if args.compile != "off":
+        for block in model.blocks:
+            # In place (Module.compile): the parameter names, and so the checkpoints,
+            # stay those of the eager model. FSDP2's hooks, added next, run outside
+            # the graphs: torch 2.13 marks them torch._dynamo.disable.
+            block.compile(backend=args.compile)
     if args.api == "fsdp2":
         model = shard_fsdp2(model, args, mesh)
     else:
@@ -545,9 +569,10 @@ def resume(args, model, optimizer, meta: dict, device, metrics) -> tuple[int, in
 # --------------------------------------------------------------------------
 
 
-def train_step(model, optimizer, micro_batches, args, device) -> torch.Tensor:
+def train_step(model, optimizer, micro_batches, args,
+               device) -> tuple[torch.Tensor, dict | None]:
     """One optimizer step over --accum-steps micro-batches; returns this rank's
-    loss."""
+    loss and, with --grad-clip, the gradient norms it clipped by."""
     step_loss = torch.zeros((), device=device)
     for micro_step in range(args.accum_steps):
         x, y = next(micro_batches)
@@ -563,9 +588,53 @@ def train_step(model, optimizer, micro_batches, args, device) -> torch.Tensor:
             loss = model(x.to(device), y.to(device)) / args.accum_steps
             loss.backward()
         step_loss += loss.detach()
+    norms = clip_gradients(model, args) if args.grad_clip else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return step_loss
+    return step_loss, norms
+
+
+def local_norm(grads: list[torch.Tensor]) -> float:
+    """The norm of this rank's pieces of the gradients, as a hand-written clip
+    would compute it. FSDP1's gradients (use_orig_params) are such pieces."""
+    return torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(g.to_local() if isinstance(g, DTensor) else g)
+        for g in grads])).item()
+
+
+def clip_gradients(model, args) -> dict:
+    """Collective. Clip by the whole gradient's norm; return it, and this rank's
+    shards' norm before and after the clip."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = local_norm(grads)  # the pitfall: what a per-rank clip would use
+    if args.api == "fsdp2":
+        # DTensor gradients: the returned norm is a DTensor too, a partial value that
+        # full_tensor() reduces across the mesh to the same number on every rank.
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        total = total.full_tensor()
+    else:
+        # Plain tensors: torch.nn.utils would clip each rank by its own shard's norm.
+        total = model.clip_grad_norm_(args.grad_clip)
+    return {"total": total.item(), "local": local,
+            "local_clipped": local_norm(grads)}
+
+
+def record_norms(metrics, step: int, norms: dict, max_norm: float) -> None:
+    """Collective. Rank 0 writes the norm clipped by and every rank's local ones,
+    before and after the clip."""
+    local = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((norms["local"], norms["local_clipped"]), local, dst=0)
+    metrics.write(event="grad_norm", step=step, total=norms["total"],
+                  local_by_rank=[before for before, _ in local or []],
+                  clipped_by_rank=[after for _, after in local or []],
+                  max_norm=max_norm)
+
+
+def record_compile(metrics) -> None:
+    """What torch.compile did in this process: graphs compiled, graph breaks."""
+    counters = torch._dynamo.utils.counters
+    metrics.write(event="compile", unique_graphs=counters["stats"]["unique_graphs"],
+                  graph_breaks=dict(counters["graph_break"]))
 
 
 def record_collectives(metrics, log: CollectiveLog) -> None:
@@ -680,12 +749,15 @@ def main() -> None:
                 marks = {f"blocks.{i}": block
                          for i, block in enumerate(model.blocks)}
                 with CollectiveLog(marks) as log:
-                    step_loss = train_step(model, optimizer, micro_batches, args,
-                                           device)
+                    step_loss, norms = train_step(model, optimizer, micro_batches,
+                                                  args, device)
                 record_collectives(metrics, log)
             else:
-                step_loss = train_step(model, optimizer, micro_batches, args, device)
+                step_loss, norms = train_step(model, optimizer, micro_batches, args,
+                                              device)
             step += 1
+            if norms is not None:
+                record_norms(metrics, step, norms, args.grad_clip)
             progress.step_done(step, epoch, step_loss)
             if args.checkpoint_dir and (step % args.save_every == 0 or step
                                         == total_steps):
@@ -714,6 +786,8 @@ def main() -> None:
     if pending is not None:
         finish_save(pending, args.keep)
     summarize(args, model, metrics, step, progress, device)
+    if args.compile != "off":
+        record_compile(metrics)
     metrics.close()
     drain_gloo_workers()
     dist.destroy_process_group()

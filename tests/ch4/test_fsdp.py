@@ -11,21 +11,27 @@ comparison with a control that must fail it:
   derivation (exact): sections 1 and 4;
 - a DCP checkpoint saved by 4 processes, loaded by 2 and by 1 (FSDP1), with the same losses: section 5;
 - an exact (torch.equal) resume after SIGKILL with dropout, accumulation, activation
-  checkpointing, CPU offload and meta-device initialization, across an epoch boundary: section 5.
+  checkpointing, CPU offload and meta-device initialization, across an epoch boundary: section 5;
+- FSDP2 with --grad-clip on two processes clipping by the norm one process computes, and FSDP2
+  with --compile aot_eager equal to eager FSDP2: section 3.
 
 The tests here check what those runs cannot: every impossible combination refused in one line, in
-process; one refusal end to end; the size-based wrap policy in a world of one; the ring formulas.
+process; one refusal end to end; the size-based wrap policy in a world of one; the ring formulas;
+FSDP1's clip (the wrapper's own clip_grad_norm_) against FSDP2's.
 """
 
 import importlib.util
+import math
 
 import pytest
 import torch
 
 from dtbook.cli import ScriptError
 from dtbook.collectives import ring_traffic
+from dtbook.compare import GAP_PER_STEP
+from dtbook.metrics import read_metrics
 from dtbook.ports import free_port
-from support import SCRIPTS, load_script, run_python
+from support import SCRIPTS, load_script, run_python, run_torchrun
 
 SCRIPT = "ch4_fsdp.py"
 
@@ -54,6 +60,8 @@ def program():
     (["--api", "fsdp1", "--cpu-offload"], 2, 2, True, None),
     (["--api", "fsdp2", "--cpu-offload"], 2, 2, False, None),
     (["--api", "fsdp1", "--meta-init"], 2, 2, False, "--meta-init"),
+    (["--api", "fsdp1", "--compile", "aot_eager"], 2, 2, False, "does not compile FSDP1"),
+    (["--compile", "aot_eager", "--grad-clip", "1"], 2, 2, False, None),
     (["--api", "fsdp1", "--sharding", "no_shard"], 2, 2, False, None),
     (["--batch-size", "5000"], 2, 2, False, "corpus has only"),
     (["--crash-at-step", "3", "--crash-rank", "2"], 2, 2, False, "--crash-rank 2"),
@@ -79,12 +87,17 @@ def test_hybrid_shard_group_defaults_to_one_node(program):
     (["--async-save"], "--async-save needs --checkpoint-dir"),
     (["--sharding", "zero3"], "invalid choice"),
     (["--dropout", "1.5"], "--dropout"),
+    (["--grad-clip", "0"], "argument --grad-clip: must be a finite number greater than 0"),
+    (["--grad-clip", "-1"], "argument --grad-clip: must be a finite number greater than 0"),
+    (["--grad-clip", "inf"], "argument --grad-clip: must be a finite number greater than 0"),
+    (["--compile", "max-autotune"], "argument --compile: invalid choice"),
 ])
 def test_bad_flags_are_refused_by_the_parser(program, args, problem, capsys):
     with pytest.raises(SystemExit) as exit_info:
         program.parse_args(args)
     assert exit_info.value.code == 2
-    assert problem in capsys.readouterr().err
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and problem in errors[0]
 
 
 def test_a_refused_combination_is_one_line_and_a_nonzero_exit():
@@ -155,3 +168,28 @@ def test_offload_that_left_state_on_the_device_is_an_error(footprint):
                      "host": {"params": 0, "grads": 0, "optimizer": 0}}
     with pytest.raises(RuntimeError, match="left state on the device"):
         footprint.check_offload(not_offloaded)
+
+
+def test_fsdp1_clips_by_the_same_norm_as_fsdp2(tmp_path):
+    """FSDP1's model.clip_grad_norm_ all-reduces its shards' norms: it clips by the norm FSDP2 clips
+    by, step by step. Section 4.3 shows FSDP2 on two processes equal to FSDP2 as a world of one, the
+    whole gradient in one process; that run (no launcher to start) is the reference here too."""
+    common = ["--model", "tiny", "--max-steps", "4", "--grad-clip", "0.1"]
+    norms = {}
+    for api, launch, batch in (("fsdp2", run_python, "32"), ("fsdp1", run_torchrun, "16")):
+        metrics = tmp_path / f"{api}.jsonl"
+        launch(SCRIPT, "--api", api, *common, "--batch-size", batch, "--metrics", metrics, timeout=120)
+        norms[api] = {r["step"]: r for r in read_metrics(metrics) if r["event"] == "grad_norm"}
+    assert norms["fsdp1"].keys() == norms["fsdp2"].keys() == {1, 2, 3, 4}
+    for step, whole in norms["fsdp2"].items():
+        fsdp1 = norms["fsdp1"][step]
+        # another order of additions, compounding over the steps: dtbook.compare's allowance per
+        # step, relative to the norm
+        tolerance = GAP_PER_STEP * step * whole["total"]
+        assert whole["total"] > 0.1, "clipping acts, so every step depends on the norm"
+        assert abs(fsdp1["total"] - whole["total"]) <= tolerance, step
+        assert abs(math.hypot(*fsdp1["local_by_rank"]) - fsdp1["total"]) <= tolerance, step
+        # every rank scaled by the whole norm's factor: together the shards now have norm 0.1
+        assert abs(math.hypot(*fsdp1["clipped_by_rank"]) - 0.1) <= GAP_PER_STEP * step * 0.1, step
+        # the control: the norm torch.nn.utils.clip_grad_norm_ would use on an FSDP1 model
+        assert all(whole["total"] - local > tolerance for local in fsdp1["local_by_rank"]), step
