@@ -56,6 +56,11 @@ def executed_problems(notebook: Path) -> list[str]:
                 problems.append(f"{notebook}: code cell {i + 1} stored {out.get('ename')}: {out.get('evalue')}")
             elif "Traceback (most recent call last)" in text:
                 problems.append(f"{notebook}: code cell {i + 1} printed a Python traceback")
+            elif out.get("output_type") == "execute_result" and set(out.get("data", {})) == {"text/plain"}:
+                # The value of a cell's last expression, shown by accident: a page prints what it
+                # means to (a list of comparisons under the table that already shows them).
+                problems.append(f"{notebook}: code cell {i + 1} shows its last expression's repr "
+                                f"(end the line with ';' or print what matters)")
         shown = sum("".join(out.get("text", "")).count("\n") for out in cell.get("outputs", [])
                     if out.get("output_type") == "stream")
         if shown > OUTPUT_LINES:

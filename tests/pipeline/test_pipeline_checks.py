@@ -81,6 +81,19 @@ def test_executed_check_finds_a_wall_of_output(tmp_path):
     assert [p for p in executed_problems(path) if "26 lines" in p] and len(executed_problems(path)) == 1
 
 
+def test_executed_check_finds_a_value_shown_by_accident(tmp_path):
+    path = write_notebook(tmp_path / "repr.ipynb", "[1, 2]", "display_link()")
+    nb = nbformat.read(str(path), as_version=4)
+    nb.cells[-2].outputs = [new_output("execute_result", data={"text/plain": "[1, 2]"},
+                                       execution_count=1)]
+    # The control: a rich result the cell shows on purpose (a download link) passes.
+    nb.cells[-1].outputs = [new_output("execute_result", execution_count=2, data={
+        "text/html": "<a download>trace</a>", "text/plain": "<HTML object>"})]
+    nbformat.write(nb, str(path))
+    problems = executed_problems(path)
+    assert len(problems) == 1 and "code cell" in problems[0] and "repr" in problems[0]
+
+
 # --- HTML checks ----------------------------------------------------------------------------
 
 def test_html_check_finds_missing_pages_and_images(tmp_path):
