@@ -148,17 +148,41 @@ def _end_processes_in(netns: str, grace_s: float = 3.0) -> None:
 def remove_slot(slot: int) -> list[str]:
     """Delete every namespace and link of ``slot`` and the processes inside; return what was removed."""
     removed = []
-    for netns in _namespaces():
-        if netns.startswith(f"{PREFIX}{slot}-"):
-            _end_processes_in(netns)
-            _command(["ip", "netns", "del", netns])
-            removed.append(f"namespace {netns}")
+    namespaces = [netns for netns in _namespaces() if netns.startswith(f"{PREFIX}{slot}-")]
+    for netns in namespaces:
+        _end_processes_in(netns)
+    # Cables before namespaces: deleting a veth takes its peer with it at once, while a deleted
+    # namespace releases its veths later, in the kernel's own time, so a cable listed a moment ago
+    # may be gone by the time we delete it (a CI run failed on exactly that).
     for link in _links():
-        if link.startswith(f"{PREFIX}{slot}") and link in _links():  # a veth goes with its peer
-            _command(["ip", "link", "del", link])
+        if link.startswith(f"{PREFIX}{slot}") and _delete_link(link):
             removed.append(f"link {link}")
+    for netns in namespaces:
+        _command(["ip", "netns", "del", netns])
+        removed.append(f"namespace {netns}")
+    _wait_until_links_gone(f"{PREFIX}{slot}")
     shutil.rmtree(STATE_DIR / str(slot), ignore_errors=True)
     return removed
+
+
+def _delete_link(link: str) -> bool:
+    """Delete ``link``; False if it was already gone (a veth goes with its peer)."""
+    try:
+        _command(["ip", "link", "del", link])
+    except LabError as err:
+        if "Cannot find device" in str(err):
+            return False
+        raise
+    return True
+
+
+def _wait_until_links_gone(prefix: str, timeout: float = 10) -> None:
+    """Return once no link named ``prefix...`` is left, so the next lab in the slot can reuse the names."""
+    deadline = time.monotonic() + timeout
+    while left := [link for link in _links() if link.startswith(prefix)]:
+        if time.monotonic() > deadline:
+            raise LabError(f"links {', '.join(left)} still exist {timeout:g} s after their lab was removed")
+        time.sleep(0.05)
 
 
 def _try_lock(slot: int) -> int | None:

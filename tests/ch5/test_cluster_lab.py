@@ -127,6 +127,28 @@ def test_a_lab_killed_outright_is_cleaned_up_by_down():
     assert slot_resources(slot) == [] and processes_in(inodes) == []
 
 
+def test_a_cable_gone_between_listing_and_deleting_is_not_an_error(monkeypatch):
+    """A deleted namespace releases its veth in the kernel's own time, so `ip link` can list a cable
+    that is gone a moment later (a CI run's teardown failed on one). Removal tolerates it."""
+    lab = ClusterLab(nodes=2).up()
+    slot, list_links, command = lab.slot, cluster_lab._links, cluster_lab._command
+    vanished = f"{PREFIX}{slot}v9"  # listed until the moment it is deleted, then never there
+    deleting = []
+
+    def links():
+        return list_links() + ([] if deleting else [vanished])
+
+    def command_noting_deletes(argv, *args, **kwargs):
+        deleting.extend([1] if argv == ["ip", "link", "del", vanished] else [])
+        return command(argv, *args, **kwargs)
+
+    monkeypatch.setattr(cluster_lab, "_links", links)
+    monkeypatch.setattr(cluster_lab, "_command", command_noting_deletes)
+    lab.down()
+    assert deleting  # the control: removal did try to delete the cable, and `ip` found no device
+    assert slot_resources(slot) == []
+
+
 def test_without_root_one_line_says_what_the_lab_needs(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(LabUnavailable, match="needs root"):
