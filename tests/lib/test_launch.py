@@ -1,12 +1,13 @@
 """The launcher notebooks use: it fails loudly, kills what hangs, and condenses torchrun's own noise."""
 
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from dtbook.launch import RunResult, launch_python, launch_torchrun
+from dtbook.launch import RunResult, launch_python, launch_torchrun, side_by_side
 from dtbook.output_filters import AgentTracebackFilter
 from dtbook.paths import RUNS_DIR
 
@@ -26,6 +27,33 @@ def test_the_shown_command_is_the_one_a_reader_types_and_stream_false_keeps_the_
     assert shown.splitlines()[0] == ("$ env -u DTBOOK_NOT_SET MKL_CBWR=AUTO,STRICT python "
                                      "scripts/ch2_hello_distributed.py --help runs/ignored.jsonl")
     assert "usage:" in run.output and "usage:" not in shown  # kept, not streamed
+
+
+def test_side_by_side_runs_at_once_and_returns_in_order():
+    """Each call waits at a barrier for the other, so the calls must overlap to return at all."""
+    def barrier_launch(timeout):
+        both_started = threading.Barrier(2, timeout=timeout)
+
+        def launch(name):
+            both_started.wait()
+            return name
+        return launch
+
+    assert side_by_side(barrier_launch(30), ["first", "second"]) == ["first", "second"]
+    # The control: one call after the other, the first waits alone and the barrier breaks.
+    launch = barrier_launch(0.5)
+    with pytest.raises(threading.BrokenBarrierError):
+        [launch(name) for name in ["first", "second"]]
+
+
+def test_launches_side_by_side_keep_their_lines_whole(capsys):
+    """Two launches printing at once: every printed line is one whole line of one launch."""
+    runs = side_by_side(lambda script: launch_python(script, ["--help"], metrics=False, stream=False, timeout=60),
+                        ["ch2_hello_distributed.py", "ch2_collectives.py"])
+    assert all("usage:" in run.output for run in runs)
+    shown = capsys.readouterr().out.splitlines()
+    assert sorted(shown) == ["$ python scripts/ch2_collectives.py --help",
+                             "$ python scripts/ch2_hello_distributed.py --help"]
 
 
 HANGING_PARENT = """
