@@ -219,8 +219,8 @@ def launch_python(
     return result
 
 
-def side_by_side(launch: Callable[[T], RunResult], variants: Iterable[T]) -> list[RunResult]:
-    """``[launch(v) for v in variants]``, with the launches running at the same time.
+def side_by_side(launch: Callable[[T], RunResult], variants: Iterable[T]) -> dict[T, RunResult]:
+    """``{v: launch(v) for v in variants}``, with the launches running at the same time.
 
     For runs that check results, never for runs that time something: side by side they share
     the cores. What they overlap is mostly start-up (launchers and workers importing torch,
@@ -228,7 +228,7 @@ def side_by_side(launch: Callable[[T], RunResult], variants: Iterable[T]) -> lis
     """
     variants = list(variants)
     with ThreadPoolExecutor(max_workers=max(1, len(variants))) as pool:
-        return list(pool.map(launch, variants))
+        return dict(zip(variants, pool.map(launch, variants), strict=True))
 
 
 def _say(line: str) -> None:

@@ -39,7 +39,7 @@ def test_side_by_side_runs_at_once_and_returns_in_order():
             return name
         return launch
 
-    assert side_by_side(barrier_launch(30), ["first", "second"]) == ["first", "second"]
+    assert side_by_side(barrier_launch(30), ["first", "second"]) == {"first": "first", "second": "second"}
     # The control: one call after the other, the first waits alone and the barrier breaks.
     launch = barrier_launch(0.5)
     with pytest.raises(threading.BrokenBarrierError):
@@ -50,7 +50,7 @@ def test_launches_side_by_side_keep_their_lines_whole(capsys):
     """Two launches printing at once: every printed line is one whole line of one launch."""
     runs = side_by_side(lambda script: launch_python(script, ["--help"], metrics=False, stream=False, timeout=60),
                         ["ch2_hello_distributed.py", "ch2_collectives.py"])
-    assert all("usage:" in run.output for run in runs)
+    assert all("usage:" in run.output for run in runs.values())
     shown = capsys.readouterr().out.splitlines()
     assert sorted(shown) == ["$ python scripts/ch2_collectives.py --help",
                              "$ python scripts/ch2_hello_distributed.py --help"]
