@@ -175,11 +175,13 @@ def launch_torchrun_nodes(
         commands = [lab.node_command(node, command) for node, command in zip(started, commands, strict=True)]
         env = {"GLOO_SOCKET_IFNAME": lab.nodes[0].interface, **(env or {})}
     if not quiet:
-        for node, name in zip(started, names, strict=True):
-            shown = _shown_command(["torchrun", *per_node[node]], script_path, args, metrics_path,
-                                   None if lab is not None else env)
-            where = f"on {name}" if lab is not None else name
-            _say(f"$ {shown}   # {where}")
+        shown = [_shown_command(["torchrun", *per_node[node]], script_path, args, metrics_path,
+                                None if lab is not None else env) for node in started]
+        if lab is not None and len(set(shown)) == 1:  # a c10d rendezvous: every node runs the same line
+            _say(f"$ {shown[0]}   # on {', '.join(names)}")
+        else:
+            for line, name in zip(shown, names, strict=True):
+                _say(f"$ {line}   # {'on ' if lab is not None else ''}{name}")
         if lab is not None:
             _say(f"  (every node: GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']})")
 

@@ -81,6 +81,30 @@ def test_executed_check_finds_a_wall_of_output(tmp_path):
     assert [p for p in executed_problems(path) if "26 lines" in p] and len(executed_problems(path)) == 1
 
 
+def test_executed_check_counts_the_race_line_each_agent_may_add(tmp_path):
+    from dtbook.output_filters import ExitBarrierRaceFilter
+
+    def launch(names):
+        return f"$ torchrun --nnodes={len(names)} scripts/x.py   # on {', '.join(names)}\n"
+
+    race = "[node2] " + ExitBarrierRaceFilter.SHUTDOWN_SUMMARY
+    path = write_notebook(tmp_path / "lab.ipynb", "launch()", "launch()", "launch()")
+    nb = nbformat.read(str(path), as_version=4)
+    # 20 lines, one of them a lost race, and three agents that may lose it: 22 at worst, passes.
+    fits = [launch(["node0", "node1"]), launch(["node0", "node1", "node2"]), race] + ["row\n"] * 17
+    # Four rows more: 24 lines on this run, 26 on a run where all three agents lose the race.
+    tight = fits + ["row\n"] * 4
+    # The control: agents on one machine print a line each; only the host (node 0) never races.
+    local = [f"$ torchrun --node_rank={k} x.py   # node {k}\n" for k in range(3)] + ["row\n"] * 21
+    for cell, text in zip(nb.cells[-3:], [fits, tight, local], strict=True):
+        cell.outputs = [new_output("stream", name="stdout", text="".join(text))]
+    nbformat.write(nb, str(path))
+    problems = executed_problems(path)
+    assert len(problems) == 2, problems
+    assert "cell 3 printed 24 lines, and 26 when" in problems[0]
+    assert "cell 4 printed 24 lines, and 26 when" in problems[1]
+
+
 def test_executed_check_finds_a_value_shown_by_accident(tmp_path):
     path = write_notebook(tmp_path / "repr.ipynb", "[1, 2]", "display_link()")
     nb = nbformat.read(str(path), as_version=4)
