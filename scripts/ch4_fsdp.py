@@ -697,6 +697,13 @@ def main() -> None:
                             device_id=process_group_device(device))
     metrics = open_metrics(args.metrics, backend, device)
     mesh = build_mesh(args, world_size, device)
+    sharding = args.sharding
+    if args.api == "fsdp1" and world_size == 1 and args.sharding != "no_shard":
+        # One process has no one to shard with: FSDP1 runs as NO_SHARD, and warns so
+        # at wrapping and again at every state dict. The start-up line says it once.
+        warnings.filterwarnings("ignore", "FSDP is switching to use `NO_SHARD`")
+        warnings.filterwarnings("ignore", "When using ``NO_SHARD`` for ``ShardingStrategy``")
+        sharding = f"{args.sharding}, run as no_shard on one process"
     model, optimizer, n_params = build_model(args, device, rank, mesh)
     loader = rank_loader(dataset, args.batch_size, rank, world_size, args.seed)
 
@@ -726,7 +733,7 @@ def main() -> None:
     metrics.write(event="layout", ranks=layouts)
     if rank == 0:
         print(f"GPT-{args.model} ({n_params:,} parameters) with {args.api}, "
-              f"sharding {args.sharding}, on {world_size} process(es) as mesh "
+              f"sharding {sharding}, on {world_size} process(es) as mesh "
               f"{tuple(mesh.shape)}, {backend}/{device.type}; global batch "
               f"{world_size} x {args.batch_size} x {args.accum_steps} = "
               f"{global_batch}; {steps_per_epoch} steps/epoch, training to step "
