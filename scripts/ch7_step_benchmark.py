@@ -21,8 +21,9 @@ AdamW). For each --batch-size and --bucket-caps value it is timed four ways, in 
            gradient; per step the smallest wait over the ranks, since the others also
            wait for the slowest rank's backward)
   exposed = waited_ddp / T_comm        0: hidden behind backward; 1: none of it hidden
-           printed only where T_comm exceeds the spread (p75 - p25) of T_ddp: below
-           it the ratio is noise over a small number. The naive loop gets no fraction:
+           printed only on more than one process and where T_comm exceeds the spreads
+           (p75 - p25) of T_ddp and T_local together: below them the ratio is noise
+           over a small number. The naive loop gets no fraction:
            its communication is per tensor, not DDP's buckets, so T_comm is not its own.
 
 Each time is the slowest rank's, the median over --steps steps; p25 and p75 show the spread.
@@ -175,12 +176,20 @@ def measure(args, cap: float, batches, device) -> dict:
         row.update({f"waited_{name}_ms": waited["median"],
                     f"waited_{name}_p25_ms": waited["p25"],
                     f"waited_{name}_p75_ms": waited["p75"]})
-    # A ratio over T_comm means something only where T_comm stands out of the noise
-    # of the step it is part of (at one process T_comm is ~0 and the ratio explodes).
-    noise = row["t_ddp_p75_ms"] - row["t_ddp_p25_ms"]
-    row["exposed_ddp"] = (row["waited_ddp_ms"] / row["t_comm_ms"]
-                          if row["t_comm_ms"] > noise else None)
+    row["exposed_ddp"] = exposed_fraction(row, dist.get_world_size())
     return row
+
+
+def exposed_fraction(row: dict, world_size: int) -> float | None:
+    """waited_ddp / T_comm, or None where that ratio would measure no communication.
+
+    One process has none (its T_comm is DDP's own overhead), and a T_comm inside the
+    spreads of the two medians it is the difference of is noise over a small number.
+    """
+    noise = sum(row[f"t_{name}_p75_ms"] - row[f"t_{name}_p25_ms"] for name in ("ddp", "local"))
+    if world_size == 1 or row["t_comm_ms"] <= noise:
+        return None
+    return row["waited_ddp_ms"] / row["t_comm_ms"]
 
 
 def check_gradients(args, batches, device) -> dict:
@@ -245,7 +254,7 @@ def main() -> None:
     if rank == 0:
         print(f"{args.model} model, {world_size} process(es), {backend} on {device.type}; "
               f"{args.steps} timed steps per row; ms, medians (p25-p75 in the metrics); "
-              f"exposed '-': T_comm within the noise")
+              f"exposed '-': one process, or T_comm within the noise")
         print_table(rows)
     metrics.close()
     drain_gloo_workers()
