@@ -4,13 +4,11 @@ Every property here is a few forward and backward passes of the tiny model: impo
 once per session and calling its functions costs far less than a Python start-up per test.
 """
 
-import importlib.util
-import sys
 
 import pytest
 import torch
 
-from support import SCRIPTS
+from support import load_script
 
 
 @pytest.fixture(autouse=True)
@@ -22,35 +20,26 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def load_script(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="session")
 def memory():
-    return load_script("ch1_memory")
+    return load_script("ch1_memory.py")
 
 
 @pytest.fixture(scope="session")
 def precision():
-    return load_script("ch1_precision")
+    return load_script("ch1_precision.py")
 
 
 @pytest.fixture(scope="session")
 def checkpointing():
-    return load_script("ch1_checkpointing")
+    return load_script("ch1_checkpointing.py")
 
 
 @pytest.fixture(scope="session")
 def attention():
-    return load_script("ch1_attention")
+    return load_script("ch1_attention.py")
 
 
 @pytest.fixture(scope="session")
 def accumulation():
-    return load_script("ch1_accumulation")
+    return load_script("ch1_accumulation.py")

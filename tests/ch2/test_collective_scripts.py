@@ -5,7 +5,6 @@ Here: the ring on an odd number of processes, the benchmark's printed table agai
 its saved model, and the one-line refusals of inputs that cannot work, checked in-process.
 """
 
-import importlib.util
 import re
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 from dtbook.cli import ScriptError, byte_size, format_bytes
 from dtbook.cost_model import AlphaBeta, Measurement
 from dtbook.metrics import read_metrics
-from support import SCRIPTS, run_torchrun
+from support import load_script, run_torchrun
 
 
 def test_ring_on_three_processes_is_exact_and_sends_the_formula_bytes(tmp_path):
@@ -79,13 +78,6 @@ def measured(row: dict) -> Measurement:
     return Measurement(row["collective"], row["world_size"], row["nbytes"], row["seconds"])
 
 
-def load(script: str):
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), SCRIPTS / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 TORCHRUN_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
 
 
@@ -112,7 +104,7 @@ def test_impossible_requests_are_refused_before_any_process_group_exists(monkeyp
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", [script, *argv])
     with pytest.raises(ScriptError, match=re.escape(message)):
-        load(script).parse_args()
+        load_script(script).parse_args()
 
 
 def test_tcp_at_torchruns_own_store_is_accepted(monkeypatch):
@@ -120,7 +112,7 @@ def test_tcp_at_torchruns_own_store_is_accepted(monkeypatch):
     for name, value in {"WORLD_SIZE": "2", **TORCHRUN_ENV}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", ["ch2_process_groups.py", "--init-method", "tcp://127.0.0.1:29400"])
-    assert load("ch2_process_groups.py").parse_args().init_method == "tcp://127.0.0.1:29400"
+    assert load_script("ch2_process_groups.py").parse_args().init_method == "tcp://127.0.0.1:29400"
 
 
 @pytest.mark.parametrize("text, problem", [("64kb", "expected a size"), ("0", "at least 1"),
@@ -130,5 +122,5 @@ def test_sizes_in_bytes_are_parsed_or_refused(text, problem, monkeypatch, capsys
     assert [format_bytes(n) for n in (4, 65536, 1572864)] == ["4 B", "64 KiB", "1.5 MiB"]
     monkeypatch.setattr(sys, "argv", ["ch2_bandwidth.py", "--max-bytes", text])
     with pytest.raises(SystemExit) as exit_info:
-        load("ch2_bandwidth.py").parse_args()
+        load_script("ch2_bandwidth.py").parse_args()
     assert exit_info.value.code == 2 and problem in capsys.readouterr().err

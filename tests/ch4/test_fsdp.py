@@ -20,7 +20,6 @@ process; one refusal end to end; the size-based wrap policy in a world of one; t
 FSDP1's clip (the wrapper's own clip_grad_norm_) against FSDP2's.
 """
 
-import importlib.util
 import math
 
 import pytest
@@ -31,21 +30,14 @@ from dtbook.collectives import ring_traffic
 from dtbook.compare import GAP_PER_STEP
 from dtbook.metrics import read_metrics
 from dtbook.ports import free_port
-from support import SCRIPTS, load_script, run_python, run_torchrun
+from support import load_script, run_python, run_torchrun
 
 SCRIPT = "ch4_fsdp.py"
 
 
-def load_program():
-    spec = importlib.util.spec_from_file_location("ch4_fsdp", SCRIPTS / SCRIPT)
-    program = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(program)
-    return program
-
-
 @pytest.fixture(scope="module")
 def program():
-    return load_program()
+    return load_script(SCRIPT)
 
 
 @pytest.mark.parametrize("args, world, local, on_gpu, problem", [

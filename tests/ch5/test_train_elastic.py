@@ -1,6 +1,5 @@
 """ch3_train.py's additions for clusters: --global-batch-size, and stopping on a scheduler's signal."""
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -11,15 +10,12 @@ import pytest
 import torch
 
 from dtbook.cli import ScriptError
-from support import REPO, SCRIPTS
+from support import REPO, SCRIPTS, load_script
 
 
 @pytest.fixture(scope="module")
 def train():
-    spec = importlib.util.spec_from_file_location("ch3_train", SCRIPTS / "ch3_train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ch3_train.py")
 
 
 @pytest.mark.parametrize("world_size, batch_size, accum", [(2, 8, 1), (1, 8, 2), (4, 2, 2), (1, 1, 16)])
