@@ -440,6 +440,17 @@ class ClusterLab:
                  f"{'host':<7} {self.host_address:<12} {self.bridge:<10} {'(none)':<14} the switch"]
         return "\n".join(lines)
 
+    def link_floor_seconds(self, sent_bytes: int) -> float:
+        """The least time in which one node can send ``sent_bytes`` through its shaped link.
+
+        tbf lets at most its bucket, then the rate: in t seconds no more than burst + rate * t
+        bytes leave. Load on the machine only adds to a measured time, so a time below this floor
+        means the bytes did not cross the link (or fewer were sent than counted).
+        """
+        if self.rate_gbit is None:
+            raise ValueError("an unshaped lab's link has no floor")
+        return max(sent_bytes - tbf_burst_bytes(self.rate_gbit), 0) / (self.rate_gbit * 1e9 / 8)
+
 
 class PlugPull:
     """A background thread that kills a node once a condition holds; ``at`` is when it did."""
@@ -466,9 +477,12 @@ def tbf_parameters(rate_gbit: float) -> list[str]:
     """tbf for ``rate_gbit``: a bucket of one millisecond at the rate, a 50 ms
     queue."""
     rate_bits = int(rate_gbit * 1e9)
-    # at least one 64 KiB segment (GSO)
-    burst = max(rate_bits // 8 // 1000, 64 * 1024)
-    return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "50ms"]
+    return ["tbf", "rate", f"{rate_bits}bit", "burst", str(tbf_burst_bytes(rate_gbit)), "latency", "50ms"]
+
+
+def tbf_burst_bytes(rate_gbit: float) -> int:
+    """The bucket: a millisecond at the rate, and at least one 64 KiB segment (GSO)."""
+    return max(int(rate_gbit * 1e9) // 8 // 1000, 64 * 1024)
 
 
 def _end_group(proc: subprocess.Popen) -> None:

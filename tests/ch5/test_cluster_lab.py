@@ -167,6 +167,16 @@ def test_tbf_bucket_holds_a_millisecond_at_the_rate_and_at_least_one_segment():
         ClusterLab(nodes=0)
 
 
+def test_the_link_floor_lets_the_bucket_through_free_and_the_rest_at_the_rate():
+    """8.8 asserts measured times against this floor; what it must not do is claim time for
+    bytes the bucket lets through at once, nor invent a floor for an unshaped link."""
+    lab = ClusterLab(rate_gbit=0.1)
+    assert lab.link_floor_seconds(64 * 1024) == 0.0
+    assert lab.link_floor_seconds(64 * 1024 + 12_500) == pytest.approx(1e-3)  # 12.5 kB at 12.5 MB/s
+    with pytest.raises(ValueError, match="unshaped"):
+        ClusterLab(rate_gbit=None).link_floor_seconds(1)
+
+
 def test_an_interface_the_peer_cannot_reach_is_a_named_error_on_every_node():
     """5.4's hangs between hosts, the slow case, kept here so the book stays within its time:
     `lo` exists on every node, so the rendezvous (through node0's address) succeeds, but each
