@@ -17,9 +17,10 @@ of every rank: op, sizes, sequence number and the Python stack that issued it.
 NCCL's watchdog writes that buffer out by itself when a collective times out;
 gloo has no such watchdog, so here each rank writes it when its collective fails,
 to TORCH_FR_DUMP_TEMP_FILE followed by its rank (torch's default prefix is
-/tmp/nccl_trace_rank_), and exits with status 2 and one line. Rank 0 writes
-the ranks' process ids to --metrics first, so a notebook can attach
-`py-spy dump --pid` to each rank while it waits.
+/tmp/nccl_trace_rank_), prints one line, and exits with status 2 two seconds
+later, so that torchrun does not stop its partners before they write theirs.
+Rank 0 writes the ranks' process ids to --metrics first, so a notebook can
+attach `py-spy dump --pid` to each rank while it waits.
 """
 
 import argparse
@@ -44,6 +45,11 @@ from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_g
 
 # Where torch's DebugInfoWriter puts a dump when TORCH_FR_DUMP_TEMP_FILE is unset.
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
+# After its dump and its line, a failed rank stays this long: torchrun stops every
+# worker once one exits, and the partners, whose collectives fail moments later,
+# must write theirs first. NCCL's watchdog waits likewise before it aborts
+# (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC).
+DUMP_GRACE_S = 2.0
 GRADIENT_NUMEL = 1024
 
 
@@ -138,7 +144,8 @@ def main() -> None:
         # A timeout, or a partner that timed out first and is gone: the evidence
         # goes to disk before this process does.
         path = write_flight_record(rank)
-        raise ScriptError(f"{one_line(err)}; flight-recorder dump in {path}") from None
+        raise ScriptError(f"{one_line(err)}; flight-recorder dump in {path}",
+                          linger_s=DUMP_GRACE_S) from None
     if args.dump_at_end:
         write_flight_record(rank)
     metrics.write(event="done", unix_time=time.time())

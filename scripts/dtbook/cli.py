@@ -11,10 +11,20 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 
 class ScriptError(Exception):
-    """A problem with the inputs or environment, reported as one line."""
+    """A problem with the inputs or environment, reported as one line.
+
+    ``linger_s``: seconds the process stays after its line before it exits. torchrun stops
+    every worker as soon as one exits with an error, so a rank that fails moments after a
+    partner would otherwise be killed before it reports.
+    """
+
+    def __init__(self, message: str, linger_s: float = 0.0):
+        super().__init__(message)
+        self.linger_s = linger_s
 
 
 def run_main(main) -> None:
@@ -29,6 +39,7 @@ def run_main(main) -> None:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
         print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        time.sleep(err.linger_s)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

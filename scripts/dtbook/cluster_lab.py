@@ -476,8 +476,8 @@ class PlugPull:
 def tbf_parameters(rate_gbit: float) -> list[str]:
     """tbf for ``rate_gbit``: a bucket of one millisecond at the rate, a 50 ms
     queue."""
-    rate_bits = int(rate_gbit * 1e9)
-    return ["tbf", "rate", f"{rate_bits}bit", "burst", str(tbf_burst_bytes(rate_gbit)), "latency", "50ms"]
+    rate_bits, burst = int(rate_gbit * 1e9), tbf_burst_bytes(rate_gbit)
+    return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "latency", "50ms"]
 
 
 def tbf_burst_bytes(rate_gbit: float) -> int:

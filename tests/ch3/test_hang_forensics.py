@@ -1,6 +1,6 @@
 """Chapter 3, reading a hung job: the flight-recorder script's flags, its control and another world size.
 
-The draft section (notebooks/ch3_ddp/hang_forensics_draft.ipynb) runs the two-rank hang, attaches
+Section 3.3 (notebooks/ch3_ddp/03_hangs.ipynb) runs the two-rank hang, attaches
 py-spy, reads the dumps with plain Python and torchfrtrace, and asserts the divergence against a
 control run that dumps at the end: none of that is launched again here. What is tested below is
 what the page cannot show: one-line refusals, --help, that a run without a hang writes no dump,
