@@ -15,7 +15,12 @@ normal exit, on an exception inside ``with ClusterLab(...)``, at interpreter exi
 SIGHUP. A lab killed outright leaves its slot's lock free, and the next lab in that slot cleans up
 first. The only addresses used are the lab's own (10.77.<slot>.0/24, on its bridge and namespaces).
 
-It needs root (namespaces, tc) and iproute2. This module does not import torch.
+It needs iproute2, and root or an unprivileged user namespace. As root the lab lives in the host's
+own network. An ordinary user gets a *lab host* instead: one process started with ``unshare --user
+--map-root-user --net --mount``, in whose namespaces the user is root, so it can create network
+namespaces, veths, a bridge and tbf queues there; every command that builds or drives the lab enters
+it first (``nsenter``). The lab host stands in for the machine's network: it has its own loopback and
+the bridge, and it ends when the Python process that started it does. This module does not import torch.
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-STATE_DIR = Path("/run/dtbook-lab")  # slot locks and each lab's files (hosts, Slurm's state)
+# Slot locks and each lab's files (hosts, Slurm's state). An ordinary user cannot write /run, and
+# inside the lab host /run is a private tmpfs, so their labs keep them in a folder of their own.
+STATE_DIR = Path("/run/dtbook-lab") if os.geteuid() == 0 else Path(f"/tmp/dtbook-lab-{os.geteuid()}")
+# Distributions install ip, tc and Slurm's daemons in sbin, which an ordinary user's PATH leaves out.
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 PREFIX = "dtb"
 SLOTS = 8  # labs that can exist side by side, each in its own /24
 INTERFACE = "eth0"
@@ -78,16 +87,129 @@ class LabError(RuntimeError):
     """A command that builds or drives the lab failed."""
 
 
+def add_sbin_to_path() -> None:
+    """Put the system's sbin folders at the end of this process's PATH (its children inherit it)."""
+    path = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join(path + [d for d in SBIN if d not in path])
+
+
+def missing_packages(tools: dict[str, str]) -> list[str]:
+    """The packages of ``tools`` ({tool: package}) that are not installed, sbin searched too."""
+    add_sbin_to_path()
+    return sorted({package for tool, package in tools.items() if shutil.which(tool) is None})
+
+
+def install_hint(packages: list[str]) -> str:
+    """The one command that installs ``packages`` on Debian or Ubuntu."""
+    return f"`{'' if os.geteuid() == 0 else 'sudo '}apt-get install {' '.join(packages)}`"
+
+
 def lab_problem() -> str | None:
     """Why a lab cannot be built on this machine, in one line, or None."""
-    if os.geteuid() != 0:
-        return ("the cluster lab needs root: it creates network namespaces and shapes their links "
-                "with tc. Run it as root (CI and the book's build machines do), e.g. `sudo make test`")
-    missing = sorted({package for tool, package in TOOLS.items() if shutil.which(tool) is None})
+    missing = missing_packages(TOOLS)
     if missing:
-        return (f"the cluster lab needs {' and '.join(missing)}: run `make slurm` as root "
-                f"(it installs them with apt-get)")
+        return f"the cluster lab needs {' and '.join(missing)}: {install_hint(missing)}, or `make slurm`"
+    if os.geteuid() != 0:
+        return _user_namespace_problem()
     return None
+
+
+_USERNS_PROBE: list[str | None] = []  # the answer, once asked: it does not change while we run
+
+
+def _user_namespace_problem() -> str | None:
+    if not _USERNS_PROBE:
+        probe = subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "true"],
+                               capture_output=True, text=True, timeout=30)
+        why = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
+        _USERNS_PROBE.append(None if probe.returncode == 0 else (
+            "the cluster lab needs root or unprivileged user namespaces, and this kernel refuses "
+            f"them to this user ({why}); as root: `sysctl kernel.unprivileged_userns_clone=1` "
+            "(Debian), `sysctl kernel.apparmor_restrict_unprivileged_userns=0` (Ubuntu 24.04+)"))
+    return _USERNS_PROBE[0]
+
+
+# The lab host's set-up, run as root of its namespaces: /run/netns must be writable for `ip netns`
+# (a tmpfs over /run when the machine has no /run/netns yet, with /etc/resolv.conf's target on it
+# again where that is a link into /run), loopback up; then it waits until its parent closes stdin.
+LAB_HOST_INIT = """
+set -e
+if [ -d /run/netns ]; then mount -t tmpfs lab-netns /run/netns
+else
+  resolv=$(readlink -f /etc/resolv.conf)
+  mount -t tmpfs lab-run /run && mkdir /run/netns
+  case "$resolv" in /run/*) mkdir -p "$(dirname "$resolv")" && : > "$resolv";; esac
+fi
+ip link set lo up
+echo ready
+cat >/dev/null
+# Its owner is gone (even killed outright): end what still runs on the nodes, which would
+# otherwise keep their namespaces, and with that the lab, alive.
+for round in 1 2 3; do
+  for ns in $(ip netns list | cut -d' ' -f1); do kill -9 $(ip netns pids "$ns") 2>/dev/null || true; done
+done
+"""
+
+
+class LabHost:
+    """The namespaces an ordinary user's labs live in (see the module's docstring); one per process."""
+
+    _current: LabHost | None = None
+
+    def __init__(self):
+        # With uidmap's newuidmap/newgidmap (and this user's ranges in /etc/subuid, /etc/subgid),
+        # --map-auto maps more ids than the user's own and leaves setgroups allowed, which Slurm's
+        # daemons call; without them the kernel denies setgroups to the namespace (the cluster lab
+        # still works, Slurm does not: see groups_allowed).
+        attempts = [["--map-auto"], []] if shutil.which("newuidmap") and shutil.which("newgidmap") else [[]]
+        for extra in attempts:
+            self.proc = subprocess.Popen(["unshare", "--user", "--map-root-user", *extra, "--net", "--mount",
+                                          "--propagation", "private", "sh", "-c", LAB_HOST_INIT],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True)
+            if self.proc.stdout.readline().strip() == "ready":
+                break
+            self.proc.wait(timeout=10)
+            error = self.proc.stderr.read().strip()[-300:]
+        else:
+            raise LabUnavailable(f"the lab host did not start: {error}")
+        self.groups_allowed = Path(f"/proc/{self.proc.pid}/setgroups").read_text().strip() == "allow"
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> LabHost:
+        if cls._current is None or cls._current.proc.poll() is not None:
+            cls._current = cls()
+        return cls._current
+
+    @property
+    def enter(self) -> list[str]:
+        """The prefix that runs a command in the lab host, as its root (the user's own uid)."""
+        # --preserve-credentials: nsenter would otherwise call setgroups, which a namespace
+        # mapped by an unprivileged user refuses; the user's uid already is root inside.
+        # --wd=.: entering a mount namespace moves to its root; the command keeps the caller's folder.
+        return ["nsenter", f"--target={self.proc.pid}", "--user", "--mount", "--net",
+                "--preserve-credentials", "--wd=.", "--"]
+
+    def path(self, inside: str) -> str:
+        """A path of the lab host's own mounts (``/run/netns/...``), as this process can open it."""
+        return f"/proc/{self.proc.pid}/root{inside}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # its `cat` ends, and with it the namespaces nothing else holds
+            self.proc.wait(timeout=10)
+        atexit.unregister(self.close)
+
+
+def lab_prefix() -> list[str]:
+    """What runs a command where the labs live: nothing as root; the lab host's nsenter otherwise."""
+    return [] if os.geteuid() == 0 else LabHost.get().enter
+
+
+def lab_path(inside: str) -> str:
+    """A path of the labs' mounts (``/run/netns/<namespace>``) as this process opens it."""
+    return inside if os.geteuid() == 0 else LabHost.get().path(inside)
 
 
 @dataclass(frozen=True)
@@ -101,7 +223,7 @@ class Node:
 
 
 def _command(argv: list[str], timeout: float = 30) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([*lab_prefix(), *argv], capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip().splitlines()
         raise LabError(f"{' '.join(argv)} failed: {detail[-1] if detail else done.returncode}")
@@ -187,7 +309,7 @@ def _wait_until_links_gone(prefix: str, timeout: float = 10) -> None:
 
 def _try_lock(slot: int) -> int | None:
     """An open, exclusively locked file descriptor for ``slot``, or None if another lab holds it."""
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # munged refuses a folder others may write
     fd = os.open(STATE_DIR / f"slot{slot}.lock", os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -275,7 +397,7 @@ class ClusterLab:
         _command(["ip", "link", "set", self.bridge, "up"])
         for node in self.nodes:
             _command(["ip", "netns", "add", node.netns])
-            self._netns_inodes.add(os.stat(f"/run/netns/{node.netns}").st_ino)
+            self._netns_inodes.add(self.netns_inode(node.index))
             _command(["ip", "link", "add", node.host_link, "type", "veth",
                       "peer", "name", node.interface, "netns", node.netns])
             _command(["ip", "link", "set", node.host_link, "master", self.bridge,
@@ -293,6 +415,10 @@ class ClusterLab:
         self.hosts_file.write_text("\n".join(hosts) + "\n")
         self.resolv_file.write_text(RESOLV_CONF)
         self.set_rate(self.rate_gbit)
+
+    def netns_inode(self, node: int) -> int:
+        """The inode of the node's network namespace: what ``/proc/<pid>/ns/net`` of its processes names."""
+        return os.stat(lab_path(f"/run/netns/{self.nodes[node].netns}")).st_ino
 
     @property
     def hosts_file(self) -> Path:
@@ -362,7 +488,8 @@ class ClusterLab:
             for netns, device in ((None, node.host_link), (node.netns, node.interface)):
                 tc = ["tc"] if netns is None else ["tc", "-n", netns]
                 if rate_gbit is None:
-                    subprocess.run([*tc, "qdisc", "del", "dev", device, "root"], capture_output=True)
+                    subprocess.run([*lab_prefix(), *tc, "qdisc", "del", "dev", device, "root"],
+                                   capture_output=True)
                 else:
                     _command([*tc, "qdisc", "replace", "dev", device, "root", *tbf_parameters(rate_gbit)])
         self.rate_gbit = rate_gbit
@@ -393,7 +520,7 @@ class ClusterLab:
     def node_command(self, node: int, argv) -> list[str]:
         """``argv`` as a command that runs on lab node ``node`` (its network, host name and hosts file)."""
         n = self.nodes[node]
-        return ["nsenter", f"--net=/run/netns/{n.netns}", "--", "unshare", "--uts", "--mount", "--",
+        return [*lab_prefix(), "nsenter", f"--net=/run/netns/{n.netns}", "--", "unshare", "--uts", "--mount", "--",
                 "sh", "-c", NODE_INIT, "node-init", n.hostname, str(self.hosts_file), str(self.resolv_file),
                 *map(str, argv)]
 

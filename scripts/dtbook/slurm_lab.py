@@ -5,7 +5,8 @@
         job = slurm.submit("scripts/slurm/ch3_train.sbatch", options=["--gpus-per-node=0"])
         slurm.wait(job)
 
-The daemons are Debian's ``slurm-wlm`` (``make slurm`` installs it) and run as root with
+The daemons are Debian's ``slurm-wlm`` (``make slurm`` installs it) and run as root (an ordinary
+user's root of the lab host, see ``dtbook.cluster_lab``) with
 everything in the lab's own folder: a fresh munge key and socket, the configuration, state,
 spool directories and logs. ``slurmctld`` listens on the host's address on the lab's switch;
 each ``slurmd`` runs *on* its node (the node's network, host name and /etc/hosts), registers
@@ -19,7 +20,6 @@ from __future__ import annotations
 import atexit
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +27,16 @@ import sys
 import time
 from pathlib import Path
 
-from dtbook.cluster_lab import ClusterLab, LabError, LabUnavailable
+from dtbook.cluster_lab import (
+    ClusterLab,
+    LabError,
+    LabHost,
+    LabUnavailable,
+    install_hint,
+    lab_prefix,
+    lab_problem,
+    missing_packages,
+)
 from dtbook.paths import REPO_ROOT
 
 DAEMONS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "munged": "munge", "mungekey": "munge"}
@@ -90,10 +99,14 @@ def first_job_id(slot: int, now: float) -> int:
 
 def slurm_problem() -> str | None:
     """Why Slurm cannot run here, in one line, or None."""
-    missing = sorted({package for tool, package in {**DAEMONS, **CLIENTS}.items() if shutil.which(tool) is None})
+    missing = missing_packages({**DAEMONS, **CLIENTS})
     if missing:
         return (f"this section runs a real Slurm cluster and needs Debian's {', '.join(missing)}: "
-                f"run `make slurm` as root (apt-get install slurmctld slurmd slurm-client munge)")
+                f"{install_hint(missing)}")
+    if os.geteuid() != 0 and not lab_problem() and not LabHost.get().groups_allowed:
+        return ("Slurm's daemons call setgroups, which a user namespace allows only when newuidmap and "
+                "newgidmap map it: `sudo apt-get install uidmap` (with ranges for this user in /etc/subuid "
+                "and /etc/subgid, which adduser writes)")
     return None
 
 
@@ -149,7 +162,7 @@ class SlurmLab:
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         # munged refuses a socket directory others may write to, and clients must reach the socket.
         (self.dir / "munge").chmod(0o711)
-        key = subprocess.run(["mungekey", "--create", f"--keyfile={self.dir / 'munge' / 'munge.key'}"],
+        key = subprocess.run([*lab_prefix(), "mungekey", "--create", f"--keyfile={self.dir / 'munge' / 'munge.key'}"],
                              capture_output=True, text=True, timeout=30)
         if key.returncode != 0:
             raise SlurmError(f"mungekey could not create a key: {key.stderr.strip()}")
@@ -180,8 +193,8 @@ class SlurmLab:
                                                 stderr=subprocess.DEVNULL))
 
     def _spawn(self, argv: list[str]) -> None:
-        self._daemons.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                              env=self.env, start_new_session=True))
+        self._daemons.append(subprocess.Popen([*lab_prefix(), *argv], stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, env=self.env, start_new_session=True))
 
     def _wait_for_idle_nodes(self, timeout: float) -> None:
         def all_idle() -> bool:
@@ -189,7 +202,8 @@ class SlurmLab:
                 if proc.poll() is not None:
                     raise SlurmError(f"{shlex.join(map(str, proc.args))[-60:]} exited with {proc.returncode}; "
                                      f"its log is in {self.dir}\n{self.log_tail()}")
-            done = subprocess.run(["sinfo", "-h", "-o", "%T %D"], capture_output=True, text=True, env=self.env)
+            done = subprocess.run([*lab_prefix(), "sinfo", "-h", "-o", "%T %D"], capture_output=True, text=True,
+                                  env=self.env)
             return done.returncode == 0 and done.stdout.split() == ["idle", str(len(self.lab.nodes))]
 
         self._wait_for(all_idle, timeout, "the Slurm nodes did not become idle")
@@ -214,7 +228,8 @@ class SlurmLab:
         self.started = False
         atexit.unregister(self.down)
         if self._daemons and self._daemons[0].poll() is None and self.conf.exists():
-            subprocess.run(["scancel", "--full", "--user=root"], capture_output=True, env=self.env, timeout=30)
+            subprocess.run([*lab_prefix(), "scancel", "--full", "--user=root"], capture_output=True, env=self.env,
+                           timeout=30)
         for node in self.lab.nodes:  # slurmd and slurmstepd, and whatever jobs still run there
             self.lab.kill_node(node.index)
         for proc in reversed(self._daemons):
@@ -246,7 +261,8 @@ class SlurmLab:
         argv = [str(a) for a in argv]
         if show and not self.quiet:
             print(f"$ {shlex.join(argv)}", flush=True)
-        done = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout, cwd=REPO_ROOT)
+        done = subprocess.run([*lab_prefix(), *argv], capture_output=True, text=True, env=self.env, timeout=timeout,
+                              cwd=REPO_ROOT)
         if show and not self.quiet:
             print((done.stdout + done.stderr).rstrip(), flush=True)
         if check and done.returncode != 0:
@@ -264,7 +280,7 @@ class SlurmLab:
         if not self.quiet:
             exported = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in extra.items())
             print(f"$ {(exported + ' ') if exported else ''}{shlex.join(argv)}", flush=True)
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        done = subprocess.run([*lab_prefix(), *argv], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
                               env={**self.env, **{k: str(v) for k, v in extra.items()}})
         if done.returncode != 0:
             raise SlurmError(f"sbatch refused the job: {done.stderr.strip()}")

@@ -1,6 +1,7 @@
 """The cluster lab: real namespaces, names and shaped links, and nothing left behind, whatever happens.
 
-These need root, as the lab does; without it they fail with the lab's one-line reason (never skip).
+They run as root, and as an ordinary user in the lab host (`tests/pipeline/test_ordinary_user.py`
+runs them so); where neither works they fail with the lab's one-line reason (never skip).
 """
 
 import os
@@ -13,16 +14,20 @@ from pathlib import Path
 import pytest
 
 from dtbook import cluster_lab
-from dtbook.cluster_lab import PREFIX, ClusterLab, LabUnavailable, tbf_parameters
+from dtbook.cluster_lab import PREFIX, ClusterLab, LabUnavailable, lab_prefix, tbf_parameters
 from support import REPO
 
 PYTHONPATH = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), os.environ.get("PYTHONPATH", "")])}
 
 
+ROOT = os.geteuid() == 0
+
+
 def slot_resources(slot: int) -> list[str]:
-    """Namespaces and links of a lab slot, as `ip` lists them."""
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    """Namespaces and links of a lab slot, as `ip` lists them where this process's labs live."""
+    namespaces = subprocess.run([*lab_prefix(), "ip", "netns", "list"], capture_output=True, text=True,
+                                check=True).stdout
+    links = subprocess.run([*lab_prefix(), "ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     return [line.split()[0] for line in namespaces.splitlines() if line.startswith(f"{PREFIX}{slot}-")] + \
            [line.split(":")[1].strip() for line in links.splitlines()
             if line.split(":")[1].strip().startswith(f"{PREFIX}{slot}")]
@@ -46,9 +51,9 @@ def test_each_node_has_its_own_network_name_and_shaped_link():
                                        "readlink /proc/self/ns/net; ip -o -4 addr show eth0"]).stdout.splitlines()
         assert seen[0] == node1.hostname
         assert seen[1].split()[0] == lab.nodes[0].address
-        assert seen[2] == f"net:[{os.stat(f'/run/netns/{node1.netns}').st_ino}]"
+        assert seen[2] == f"net:[{lab.netns_inode(1)}]"
         assert f"inet {node1.address}/24" in seen[3]
-        host_side = subprocess.run(["tc", "qdisc", "show", "dev", node1.host_link], capture_output=True,
+        host_side = subprocess.run([*lab_prefix(), "tc", "qdisc", "show", "dev", node1.host_link], capture_output=True,
                                    text=True, check=True).stdout
         for qdisc in (lab.qdisc(1), host_side):  # both ends of the cable
             assert "tbf" in qdisc and "rate 1Gbit" in qdisc
@@ -64,7 +69,7 @@ def test_an_exception_inside_with_stops_every_process_and_removes_everything():
             sleepers = [lab.popen(node.index, ["sleep", "600"]) for node in lab.nodes]
             # A process that left its process group is still on the node, and still found there.
             lab.run(0, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 &"])
-            inodes = {os.stat(f"/run/netns/{node.netns}").st_ino for node in lab.nodes}
+            inodes = {lab.netns_inode(node.index) for node in lab.nodes}
             # popen returns before `ip netns exec` has entered the namespace: on a busy
             # machine a sleeper can still be outside it for a moment.
             deadline = time.monotonic() + 30
@@ -82,9 +87,10 @@ import os, sys, time
 from dtbook.cluster_lab import ClusterLab
 lab = ClusterLab(nodes=2).up()
 lab.run(1, ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 &"])
-inodes = [os.stat(f"/run/netns/{node.netns}").st_ino for node in lab.nodes]
+inodes = [lab.netns_inode(node.index) for node in lab.nodes]
 print(lab.slot, *inodes, flush=True)
 if sys.argv[1] == "die":
+    sys.stdin.readline()  # once the test has seen the lab: an ordinary user's goes with its owner
     os.kill(os.getpid(), 9)
 time.sleep(600)
 """
@@ -99,10 +105,13 @@ def reader_signals() -> None:
 
 
 def start_owner(how: str):
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, how], stdout=subprocess.PIPE, text=True,
-                             env=PYTHONPATH, preexec_fn=reader_signals)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=PYTHONPATH, preexec_fn=reader_signals)
     slot, *inodes = map(int, owner.stdout.readline().split())
-    assert slot_resources(slot) and len(processes_in(set(inodes))) == 1
+    # An ordinary user's lab lives in its owner's lab host, which only that process sees.
+    assert (slot_resources(slot) or not ROOT) and len(processes_in(set(inodes))) == 1
+    owner.stdin.write("go\n")
+    owner.stdin.flush()
     return owner, slot, set(inodes)
 
 
@@ -115,9 +124,19 @@ def test_the_owner_interrupted_or_terminated_tears_the_lab_down(sig):
 
 
 def test_a_lab_killed_outright_is_cleaned_up_by_down():
-    """SIGKILL runs no clean-up at all; `python -m dtbook.cluster_lab down` removes what is left."""
+    """SIGKILL runs no clean-up at all; `python -m dtbook.cluster_lab down` removes what is left.
+
+    An ordinary user's lab host ends what runs on its nodes once its owner is gone, so nothing is
+    left for `down`: the process left on a node is gone all the same.
+    """
     owner, slot, inodes = start_owner("die")
     assert owner.wait(timeout=60) == -signal.SIGKILL
+    if not ROOT:
+        deadline = time.monotonic() + 30
+        while processes_in(inodes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert processes_in(inodes) == []
+        return
     status = subprocess.run([sys.executable, "-m", "dtbook.cluster_lab", "status"], capture_output=True,
                             text=True, env=PYTHONPATH, timeout=60)
     assert f"slot {slot}: stale" in status.stdout
@@ -149,15 +168,23 @@ def test_a_cable_gone_between_listing_and_deleting_is_not_an_error(monkeypatch):
     assert slot_resources(slot) == []
 
 
-def test_without_root_one_line_says_what_the_lab_needs(monkeypatch, capsys):
+def test_without_root_or_user_namespaces_one_line_says_what_the_lab_needs(monkeypatch, capsys, tmp_path):
+    """The kernel's refusal is played by an `unshare` that fails as a refusing kernel makes it fail."""
+    fake = tmp_path
+    (fake / "unshare").write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\n"
+                                  "exit 1\n")
+    (fake / "unshare").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(LabUnavailable, match="needs root"):
+    monkeypatch.setattr(cluster_lab, "_USERNS_PROBE", [])
+    with pytest.raises(LabUnavailable, match="root or unprivileged user namespaces"):
         ClusterLab().up()
     with pytest.raises(SystemExit) as exit_info:
         cluster_lab.main(["status"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: the cluster lab needs root") and "sudo" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: the cluster lab needs root or unprivileged user namespaces")
+    assert "Operation not permitted" in err[0] and "sysctl" in err[0]
 
 
 def test_tbf_bucket_holds_a_millisecond_at_the_rate_and_at_least_one_segment():

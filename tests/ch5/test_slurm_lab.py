@@ -5,7 +5,6 @@ job file) with a stub that prints what it was given, so they check the file's ar
 overrides without training.
 """
 
-import os
 import stat
 
 import pytest
@@ -44,7 +43,7 @@ def test_two_idle_nodes_and_one_task_in_each_namespace(slurm):
     assert slurm.run("sinfo", "-h", "-o", "%T %D").stdout.split() == ["idle", "2"]
     tasks = slurm.run("srun", "-N2", "sh", "-c", 'echo "$(hostname) $(readlink /proc/self/ns/net)"').stdout
     seen = sorted(line.split() for line in tasks.splitlines())
-    lab_namespaces = [f"net:[{os.stat(f'/run/netns/{node.netns}').st_ino}]" for node in slurm.lab.nodes]
+    lab_namespaces = [f"net:[{slurm.lab.netns_inode(node.index)}]" for node in slurm.lab.nodes]
     assert seen == [[node.hostname, ns] for node, ns in zip(slurm.lab.nodes, lab_namespaces, strict=True)]
 
 
