@@ -41,6 +41,15 @@ class BuildError(Exception):
     pass
 
 
+class NotExecutable(BuildError):
+    """A notebook that cannot run on this machine (its first cell says why): the cluster lab's
+    sections without root or user namespaces, or without Slurm. The rest of the book still builds."""
+
+
+# What a section raises, as its first output, when this machine cannot run it (dtbook.cluster_lab).
+UNAVAILABLE = "LabUnavailable"
+
+
 def toc_entries(toc_path: Path) -> list[str]:
     """Every ``root`` and ``file`` entry of a Jupyter Book table of contents, in order."""
     toc = yaml.safe_load(toc_path.read_text())
@@ -113,6 +122,8 @@ def execute(notebook: Path, target: Path, cell_timeout: int, root: Path) -> None
             extra_arguments=["--IPKernelApp.log_level=ERROR"],
         )
     except PapermillExecutionError as err:
+        if err.ename == UNAVAILABLE:
+            raise NotExecutable(err.evalue.strip()) from None
         raise BuildError(
             f"{notebook.relative_to(root)}: cell {err.exec_count} raised {err.ename}: {err.evalue.strip()}\n"
             f"  (the executed copy with the traceback is {target})"
@@ -156,6 +167,7 @@ def stage_and_execute(
     # and much of a notebook's time is spent waiting: for torchrun's start, a rendezvous, a
     # timeout it demonstrates. A second notebook fills those waits.
     failure = None
+    not_executed: dict[str, str] = {}
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork")) as pool:
         running = {pool.submit(execute_recording_launches, notebook, staging / rel_of(notebook, root),
                                cell_timeout, root, out): notebook for notebook in pending}
@@ -166,6 +178,12 @@ def stage_and_execute(
             rel = rel_of(notebook, root)
             try:
                 launched, seconds = done.result()
+            except NotExecutable as err:
+                print(f"not executed {rel}: {err}", flush=True)
+                stage_unexecuted(notebook, staging / rel, str(err))
+                report[rel] = (rel, "not executed", 0.0)
+                not_executed[rel] = str(err)
+                continue
             except BuildError as err:
                 failure = failure or err
                 for future in running:
@@ -178,7 +196,18 @@ def stage_and_execute(
             stamps_path.write_text(json.dumps(stamps, indent=1))
     if failure:
         raise failure
-    return [report[rel_of(notebook, root)] for notebook in toc_notebooks(root)]
+    return [report[rel_of(notebook, root)] for notebook in toc_notebooks(root)], not_executed
+
+
+def stage_unexecuted(notebook: Path, target: Path, reason: str) -> None:
+    """The page of a section this machine cannot run: its source, opened by a note that says why."""
+    source = json.loads(notebook.read_text())
+    note = {"cell_type": "markdown", "id": "not-executed", "metadata": {},
+            "source": ["```{warning}\n", f"This section was not executed when this copy of the book was built: "
+                       f"{reason}\n", "```\n"]}
+    source["cells"].insert(1 if source["cells"][0]["cell_type"] == "markdown" else 0, note)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(source, indent=1))
 
 
 def rel_of(notebook: Path, root: Path) -> str:
@@ -226,13 +255,18 @@ def build_html(out: Path) -> Path:
     return out / "_build" / "html" / "index.html"
 
 
-def print_table(report: list[tuple[str, str, float]]) -> None:
+def print_table(report: list[tuple[str, str, float]], not_executed: dict[str, str]) -> None:
     width = max(len(r[0]) for r in report)
     print(f"\n{'notebook'.ljust(width)}  {'status':<20}  seconds")
     for rel, status, seconds in report:
         shown = f"{seconds:7.1f}" if seconds else f"{'-':>7}"
         print(f"{rel.ljust(width)}  {status:<20}  {shown}")
     print(f"{'total'.ljust(width)}  {'':<20}  {sum(r[2] for r in report):7.1f}\n")
+    if not_executed:
+        print(f"{len(not_executed)} sections were not executed on this machine; their pages say why:")
+        for rel, reason in not_executed.items():
+            print(f"  {rel}: {reason}")
+        print()
 
 
 def main() -> None:
@@ -250,8 +284,8 @@ def main() -> None:
     try:
         if not (root / "_toc.yml").is_file():
             raise BuildError(f"no _toc.yml in {root}")
-        report = stage_and_execute(root, out, args.cell_timeout, args.force, args.jobs)
-        print_table(report)
+        report, not_executed = stage_and_execute(root, out, args.cell_timeout, args.force, args.jobs)
+        print_table(report, not_executed)
         if not args.no_html:
             index = build_html(out)
             print(f"\nThe book is at {index}")

@@ -82,9 +82,20 @@ conn.close()
 class LabUnavailable(RuntimeError):
     """The lab cannot be built here; the message says what it needs and how to run it."""
 
+    def _render_traceback_(self) -> list[str]:
+        """In a notebook, IPython shows this one line instead of a traceback."""
+        return [f"{type(self).__name__}: {self}"]
+
 
 class LabError(RuntimeError):
     """A command that builds or drives the lab failed."""
+
+
+def require_lab() -> None:
+    """Raise ``LabUnavailable`` where no lab can be built: the first output of a section that needs one."""
+    problem = lab_problem()
+    if problem:
+        raise LabUnavailable(problem)
 
 
 def add_sbin_to_path() -> None:

@@ -36,6 +36,7 @@ from dtbook.cluster_lab import (
     lab_prefix,
     lab_problem,
     missing_packages,
+    require_lab,
 )
 from dtbook.paths import REPO_ROOT
 
@@ -108,6 +109,14 @@ def slurm_problem() -> str | None:
                 "newgidmap map it: `sudo apt-get install uidmap` (with ranges for this user in /etc/subuid "
                 "and /etc/subgid, which adduser writes)")
     return None
+
+
+def require_slurm() -> None:
+    """Raise ``LabUnavailable`` where the lab or its Slurm cannot run: a Slurm section's first output."""
+    require_lab()
+    problem = slurm_problem()
+    if problem:
+        raise LabUnavailable(problem)
 
 
 class SlurmError(RuntimeError):

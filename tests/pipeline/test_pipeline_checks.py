@@ -221,3 +221,42 @@ def test_builder_reruns_what_depends_on_a_changed_library_file_or_launched_scrip
         f.write("# touched\n")
     assert statuses(build(tmp_path, *side_by_side)) == {"notebooks/plain.ipynb": "skipped",
                                                             "notebooks/launcher.ipynb": "executed"}
+
+
+def test_builder_builds_the_rest_when_a_section_cannot_run_on_this_machine(tmp_path):
+    """A lab section on a machine without root or user namespaces says why in one line; the build
+    lists it as not executed, stages its page with the reason, runs the rest and exits 0. The
+    control, a section that fails for any other reason, fails the build (the tests above)."""
+    make_book(tmp_path, "notebooks/lab", "notebooks/plain")
+    write_notebook(tmp_path / "notebooks" / "lab.ipynb",
+                   "from dtbook.cluster_lab import LabUnavailable\n"
+                   "raise LabUnavailable('the cluster lab needs user namespaces here')")
+    write_notebook(tmp_path / "notebooks" / "plain.ipynb", "y = 2")
+    out = tmp_path / "_build"
+    done = build(tmp_path, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert statuses(done) == {"notebooks/lab.ipynb": "not", "notebooks/plain.ipynb": "executed"}
+    assert "notebooks/lab.ipynb: the cluster lab needs user namespaces here" in done.stdout
+    staged = json.loads((out / "source" / "notebooks" / "lab.ipynb").read_text())
+    assert "not executed" in "".join(staged["cells"][1]["source"]) and "user namespaces" in "".join(
+        staged["cells"][1]["source"])
+    # Not fingerprinted: the next build tries it again (a machine may have gained what it lacked).
+    assert "not" == statuses(build(tmp_path, "--out", str(out)))["notebooks/lab.ipynb"]
+
+
+def test_a_section_that_cannot_run_here_says_so_in_one_line_not_a_traceback(tmp_path):
+    """What a reader sees in JupyterLab: IPython renders LabUnavailable as its one line."""
+    from nbclient import NotebookClient
+
+    path = write_notebook(tmp_path / "lab.ipynb", "from dtbook.slurm_lab import require_slurm\n"
+                          "from dtbook import cluster_lab\n"
+                          "cluster_lab.TOOLS['dtbook-no-such-tool'] = 'no-such-package'\n"
+                          "require_slurm()", "raise RuntimeError('the control')")
+    nb = nbformat.read(str(path), as_version=4)
+    NotebookClient(nb, timeout=60, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    error, control = nb.cells[-2].outputs[-1], nb.cells[-1].outputs[-1]
+    assert error.output_type == "error" and error.ename == "LabUnavailable"
+    assert len(error.traceback) == 1, error.traceback
+    assert "no-such-package" in error.traceback[0] and "apt-get install" in error.traceback[0]
+    assert control.ename == "RuntimeError" and len(control.traceback) > 1
