@@ -6,10 +6,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: book test venv chromium slurm clean gpu-results
 
-# Chapter 5 (and 6.5, 7's lab runs) builds a cluster in a box: Linux network namespaces, tc and
-# Slurm, which need root. The build says so before it starts, and installs what it needs.
+# Chapter 5 (and 6.5, 7's lab runs, 8.8) builds a cluster in a box: Linux network namespaces, tc and
+# Slurm, as root or, for an ordinary user, in an unprivileged user namespace. Where neither works,
+# those sections are built unexecuted, each saying why, and the build's summary lists them.
 book: $(STAMP) slurm
-	@echo "make book: chapter 5, 6.5 and chapter 7's lab runs need Linux and root (network namespaces, tc, Slurm)"
 	$(BIN)/python tools/build_book.py
 
 # The tests check the book `make book` builds (_build/book): after `make book` only the tests run;
@@ -31,24 +31,35 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Debian's packages are installed with apt-get as root, or with `sudo -n` where the user may use
+# it without a password; anyone else is told the one command an administrator runs. Distributions
+# install ip, tc and Slurm's daemons in sbin, which an ordinary user's PATH leaves out.
+SBIN_PATH := $(PATH):/usr/local/sbin:/usr/sbin:/sbin
+APT_INSTALL = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1); \
+  elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+    sudo -n apt-get update -qq && sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1); \
+  else echo "$(2): ask an administrator to run: sudo apt-get install $(1)"; false; fi
+
 # The browser check drives Debian's Chromium through Playwright (no `playwright install`).
 chromium:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  echo "installing Debian's chromium for the browser check"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+	@PATH="$(SBIN_PATH)"; command -v chromium >/dev/null 2>&1 || { \
+	  echo "the browser check needs Debian's chromium"; \
+	  $(call APT_INSTALL,chromium,make test opens every page in Chromium); }
 
 # Chapter 5 builds a cluster in a box: network namespaces and tc (iproute2), and Debian's Slurm
-# (slurm-wlm 22.05) with munge. Needs root, as the chapter does. The chapter starts and stops its
-# own munged, slurmctld and slurmds with their own configuration; system services are not used.
-CLUSTER_TOOLS := ip tc nsenter unshare slurmctld slurmd sbatch srun munged mungekey
+# (slurm-wlm 22.05) with munge. The chapter starts and stops its own munged, slurmctld and slurmds
+# with their own configuration; system services are not used. An ordinary user runs them in a user
+# namespace, where Slurm needs uidmap's newuidmap and newgidmap (the tests run the lab as one too).
+# Missing packages that cannot be installed here are named, and the sections that need them are
+# built unexecuted.
+CLUSTER_TOOLS := ip tc nsenter unshare slurmctld slurmd sbatch srun munged mungekey newuidmap newgidmap
+CLUSTER_PACKAGES := iproute2 util-linux slurmctld slurmd slurm-client munge uidmap
 slurm:
-	@missing=""; for tool in $(CLUSTER_TOOLS); do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	@PATH="$(SBIN_PATH)"; missing=""; for tool in $(CLUSTER_TOOLS); do command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
 	[ -z "$$missing" ] || { \
-	  echo "installing iproute2, Slurm and munge for chapter 5 (missing:$$missing)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-	    iproute2 util-linux slurmctld slurmd slurm-client munge; }
+	  echo "chapter 5's cluster lab needs iproute2, Slurm, munge and uidmap (missing:$$missing)"; \
+	  $(call APT_INSTALL,$(CLUSTER_PACKAGES),chapter 5's cluster lab and Slurm) || \
+	  echo "make: the sections that need them will be built unexecuted, each saying why"; }
 
 clean:
 	rm -rf _build runs
