@@ -24,6 +24,7 @@ attach `py-spy dump --pid` to each rank while it waits.
 """
 
 import argparse
+import ctypes
 import os
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
 # (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC).
 DUMP_GRACE_S = 2.0
 GRADIENT_NUMEL = 1024
+# prctl(2)'s option that names who may trace this process where Yama restricts it.
+PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
 
 
 def parse_args() -> argparse.Namespace:
@@ -99,8 +102,20 @@ def write_flight_record(rank: int) -> Path:
     return path
 
 
+def allow_py_spy() -> None:
+    """Let py-spy, run by this user from any shell, read this process.
+
+    Where Yama's ptrace_scope is 1 (Ubuntu's default), only a process's ancestors
+    may trace it, and py-spy started from a notebook or a second shell is none of
+    them. Without Yama the call fails (EINVAL) and nothing is needed; at scope 2
+    only root may trace (sudo py-spy), at 3 nobody.
+    """
+    ctypes.CDLL(None).prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+
+
 def share_pids(metrics) -> None:
     """Rank 0 records every rank's process id: what `py-spy dump --pid` needs."""
+    allow_py_spy()
     pids = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
     metrics.write(event="pids", pids=pids, unix_time=time.time())
