@@ -58,11 +58,11 @@ class GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, full_grad: torch.Tensor):
         world_size = dist.get_world_size()
-        # Reduce in fp32 even when the gathered copies are bf16: a sum of N bf16
-        # gradients loses bits.
-        shard_grad = torch.empty(full_grad.numel() // world_size,
-                                 device=full_grad.device)
-        dist.reduce_scatter_single(shard_grad, full_grad.float(),
+        # Reduce in the slices' dtype (fp32) even when the gathered copies are bf16:
+        # a sum of N bf16 gradients loses bits.
+        shard = ctx.group.shard
+        shard_grad = shard.new_empty(full_grad.numel() // world_size)
+        dist.reduce_scatter_single(shard_grad, full_grad.to(shard.dtype),
                                    op=dist.ReduceOp.SUM)
         # the gradient is complete: backward is done with the parameters
         ctx.group.free()
@@ -74,7 +74,7 @@ class FlatGroup:
     slice."""
 
     def __init__(self, uses: dict[nn.Parameter, list[tuple[nn.Module, str]]],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype | None):
         rank, world_size = dist.get_rank(), dist.get_world_size()
         # where each parameter appears: twice if tied
         self.uses = list(uses.values())
@@ -86,7 +86,8 @@ class FlatGroup:
         trainable = next(iter(uses)).requires_grad
         shard = flat.chunk(world_size)[rank].clone()
         self.shard = nn.Parameter(shard, requires_grad=trainable)
-        self.full = torch.empty(padded, dtype=dtype, device=flat.device)
+        # The gathered copy: in the compute dtype, else in the parameters' own
+        self.full = flat.new_empty(padded, dtype=dtype or flat.dtype)
         self.free()
 
     def gathered_bytes(self) -> int:
@@ -122,7 +123,7 @@ class MinimalFSDP(nn.Module):
     """Fully sharded data parallelism: shard, gather on demand, reduce-scatter."""
 
     def __init__(self, module: nn.Module, units: list[nn.Module],
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.module = module
         with torch.no_grad():  # every rank starts from rank 0's weights, as with DDP
@@ -204,12 +205,12 @@ class MinimalFSDP(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gather every group in fp32; return the weights under their
-        original names."""
+        """Gather every group in the slices' dtype (fp32); return the weights
+        under their original names."""
         names = {module: name for name, module in self.module.named_modules()}
         state = {}
         for group in self.all_groups():
-            full = torch.empty(group.full.numel(), device=group.shard.device)
+            full = group.shard.new_empty(group.full.numel())
             dist.all_gather_single(full, group.shard.detach())
             for tensor, uses in zip(group.unflatten(full), group.uses, strict=True):
                 for module, name in uses:

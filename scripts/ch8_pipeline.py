@@ -74,10 +74,11 @@ def gpipe_step(stage: Stage, micro: list[tuple[torch.Tensor, torch.Tensor]],
 
     ``drop`` leaves out one send, the bug --drop-send reproduces."""
     rank, m = dist.get_rank(), len(micro)
+    weight = next(stage.parameters())  # receive on the stage's device, in its dtype
     inputs, outputs, losses = [], [], []
     for i, (x, y) in enumerate(micro):
         if not stage.is_first:  # micro-batch i's activations, from the stage before
-            x = torch.empty(*y.shape, stage_width(stage))
+            x = weight.new_empty(*y.shape, stage_width(stage))
             dist.recv(x, src=rank - 1)
             x.requires_grad_()
         out = clock.run("F", i, lambda x=x: stage(x))

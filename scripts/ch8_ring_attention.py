@@ -65,7 +65,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention of this rank's queries over every rank's keys and values."""
     rank, world = dist.get_rank(), dist.get_world_size()
     scale = q.shape[-1] ** -0.5
-    top = torch.full(q.shape[:-1] + (1,), -torch.inf)  # running maximum per query
+    top = q.new_full(q.shape[:-1] + (1,), -torch.inf)  # running maximum per query
     total = torch.zeros_like(top)  # running sum of exp(score - top)
     out = torch.zeros_like(q)  # running sum of exp(score - top) * value
     kv = torch.stack([k, v])  # travels as one tensor

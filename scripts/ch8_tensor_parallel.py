@@ -114,10 +114,14 @@ class TensorParallelBlock(nn.Module):
         self.head_dim, self.reduce_backward = block.head_dim, reduce_backward
         self.ln1, self.ln2 = block.ln1, block.ln2
         c = block.proj.in_features
-        self.qkv = nn.Linear(c, 3 * c // world)
-        self.proj = nn.Linear(c // world, c)  # its bias is added once, after the sum
-        self.mlp = nn.Sequential(nn.Linear(c, 4 * c // world), nn.GELU(),
-                                 nn.Linear(4 * c // world, c))
+        # The split layers live where the block's do, in its dtype (a GPU, float64).
+        weight = block.proj.weight
+        like = {"device": weight.device, "dtype": weight.dtype}
+        self.qkv = nn.Linear(c, 3 * c // world, **like)
+        # proj's bias is added once, after the sum
+        self.proj = nn.Linear(c // world, c, **like)
+        self.mlp = nn.Sequential(nn.Linear(c, 4 * c // world, **like), nn.GELU(),
+                                 nn.Linear(4 * c // world, c, **like))
         full = block.state_dict()
         with torch.no_grad():
             for name, tensor in self.state_dict().items():

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +85,94 @@ def assert_inputs_checked(program, args, world: int, problem: str | None) -> Non
     with pytest.raises(ScriptError, match=problem) as refused:
         program.check_inputs(args, world)
     assert "\n" not in str(refused.value)
+
+
+# --------------------------------------------------------------------------------------------
+# The hand-written parallel modules in another dtype and on another device (test_device_dtype.py)
+# --------------------------------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+# A float64 computation and the same one with its sums in another order (2 ranks, 1 process)
+# agree to a few 1e-16 relative (float64's unit roundoff is 1.1e-16); float32's (6e-8) leaves
+# 1e-9 to 1e-6 (dtype_worker.py's runs: float64 1e-17 to 4e-16, float32 5e-9 to 2e-7). A gap of
+# at most FLOAT64_GAP, MARGIN times inside, is float64's alone; the same comparisons in float32
+# must be MARGIN times outside it: the control that says the module really ran in float64.
+FLOAT64_GAP = 1e-12
+
+
+def float64_runs(chapter: str, tmp_path: Path) -> dict:
+    """``tests/dtype_worker.py CHAPTER`` on 2 processes with gloo on the CPU: its results."""
+    out = tmp_path / f"{chapter}.json"
+    run_torchrun(str(TESTS / "dtype_worker.py"), chapter, out, nproc=2, timeout=180,
+                 env={"CUDA_VISIBLE_DEVICES": ""})
+    return json.loads(out.read_text())
+
+
+def assert_float64_agreement(module: str, runs: dict) -> None:
+    """One module's float64 run equals one process's to float64 resolution, in float64.
+
+    ``runs``: the worker's ``{"float64": {...}, "float32": {...}}``. Every gap is a relative L2
+    gap (``dtbook.compare.training_gap``), so the tolerance is scaled by what is compared.
+    """
+    from dtbook.compare import MARGIN
+
+    float64, float32 = runs["float64"], runs["float32"]
+    print(f"{module}: float64 gaps {float64['gaps']}, float32 gaps {float32['gaps']}")
+    for dtype, run in runs.items():  # every output, parameter, gradient, buffer, state
+        assert all(found == [dtype] for found in run["dtypes"].values()), (module, run["dtypes"])
+    for name, gap in float64["gaps"].items():
+        assert gap <= FLOAT64_GAP / MARGIN, f"{module} in float64: {name} gap {gap:.1e}"
+    worst32 = max(float32["gaps"].values())
+    assert worst32 >= FLOAT64_GAP * MARGIN, (
+        f"{module}: the float32 control's gaps {float32['gaps']} meet the float64 tolerance "
+        f"{FLOAT64_GAP:.0e}: it cannot tell float64 from float32")
+
+
+COMMUNICATION = ("all_reduce", "broadcast", "all_gather", "all_gather_single",
+                 "reduce_scatter_single", "all_to_all_single", "send", "recv", "isend", "irecv")
+
+
+@contextmanager
+def world_without_communication(rank: int, world: int):
+    """A process group of ``world`` ranks in this process, this one ``rank``, that talks to no one.
+
+    torch's fake backend: every collective and send/recv returns at once and leaves its output
+    as it was, on any device (gloo refuses meta tensors), and checks no dtype. Enough to build
+    a parallel module on the meta device and run its forward and backward, where shapes, dtypes
+    and devices follow the data while no value does. Yields the list of every tensor handed to
+    a ``torch.distributed`` call meanwhile (buffers sent, received, reduced). The group is
+    destroyed afterwards, whatever happened.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "another process group is still alive in this process"
+    communicated: list = []
+
+    def recording(call):
+        def wrapper(*args, **kwargs):
+            for arg in (*args, *kwargs.values()):
+                parts = arg if isinstance(arg, (list, tuple)) else [arg]
+                communicated.extend(t for t in parts if isinstance(t, torch.Tensor))
+            return call(*args, **kwargs)
+        return wrapper
+
+    originals = {name: getattr(dist, name) for name in COMMUNICATION}
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        for name, call in originals.items():
+            setattr(dist, name, recording(call))
+        yield communicated
+    finally:
+        for name, call in originals.items():
+            setattr(dist, name, call)
+        dist.destroy_process_group()
+
+
+def assert_on(device: str, dtype, **tensors) -> None:
+    """Every tensor of every named group is on ``device`` (a type: "meta") and in ``dtype``."""
+    for name, group in tensors.items():
+        found = {(t.device.type, t.dtype) for t in group}
+        assert found == {(device, dtype)}, f"{name}: {sorted(map(str, found))}"

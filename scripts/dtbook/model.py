@@ -100,7 +100,13 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten())
+
+
+def at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """bf16 or fp16 logits as float32 for the loss (their softmax would lose bits), float32
+    and float64 as they are: a float64 model computes its loss in float64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

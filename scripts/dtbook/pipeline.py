@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtbook.model import GPT
+from dtbook.model import GPT, at_least_float32
 
 
 class Stage(nn.Module):
@@ -38,4 +38,4 @@ class Stage(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(at_least_float32(logits.flatten(0, 1)), targets.flatten())

@@ -98,3 +98,19 @@ def test_gpt2_small_has_gpt2_smalls_shape_and_parameter_count():
         model = GPT(cfg)
     assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.context) == (12, 12, 768, 1024)
     assert sum(p.numel() for p in model.parameters()) == 124_475_904
+
+
+def test_the_loss_is_computed_in_at_least_float32_and_never_below_the_models_dtype():
+    # bf16 logits are scored in float32 (their softmax would lose bits); a float64 model's
+    # loss stays float64, or a float64 run would be rounded to float32 at its last step. The
+    # pipeline stages' loss_fn scores the logits the same way. Shapes and dtypes only: meta.
+    from dtbook.pipeline import loss_fn
+
+    cfg = MODEL_SIZES["tiny"]
+    x = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    for dtype, loss_dtype in [(torch.float64, torch.float64), (torch.float32, torch.float32),
+                              (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]:
+        with torch.device("meta"):
+            model = GPT(cfg).to(dtype)
+        assert model(x, x).dtype == loss_dtype, dtype
+        assert loss_fn(model(x), x).dtype == loss_dtype, dtype
