@@ -102,15 +102,17 @@ def write_flight_record(rank: int) -> Path:
     return path
 
 
-def allow_py_spy() -> None:
+def allow_py_spy() -> int:
     """Let py-spy, run by this user from any shell, read this process.
 
     Where Yama's ptrace_scope is 1 (Ubuntu's default), only a process's ancestors
     may trace it, and py-spy started from a notebook or a second shell is none of
-    them. Without Yama the call fails (EINVAL) and nothing is needed; at scope 2
-    only root may trace (sudo py-spy), at 3 nobody.
+    them. Returns 0, or the errno: EINVAL without Yama, where nothing is needed.
+    At scope 2 only root may trace (sudo py-spy), at 3 nobody.
     """
-    ctypes.CDLL(None).prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    done = libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+    return 0 if done == 0 else ctypes.get_errno()
 
 
 def share_pids(metrics) -> None:

@@ -42,12 +42,20 @@ class BuildError(Exception):
 
 
 class NotExecutable(BuildError):
-    """A notebook that cannot run on this machine (its first cell says why): the cluster lab's
+    """A notebook that cannot run on this machine (its set-up cell says why): the cluster lab's
     sections without root or user namespaces, or without Slurm. The rest of the book still builds."""
 
 
-# What a section raises, as its first output, when this machine cannot run it (dtbook.cluster_lab).
+# What a section's set-up cell raises when this machine cannot run it (dtbook.cluster_lab's
+# require_lab and require_slurm). Raised by any later cell, it is a failure like any other.
 UNAVAILABLE = "LabUnavailable"
+SETUP_CELL = 1  # the code cell after the parameters (check_book.source_problems checks the call)
+
+
+def setup_cell_source(notebook: Path) -> str | None:
+    """The source of the notebook's set-up cell."""
+    code = [cell for cell in json.loads(notebook.read_text())["cells"] if cell["cell_type"] == "code"]
+    return "".join(code[SETUP_CELL]["source"]) if len(code) > SETUP_CELL else None
 
 
 def toc_entries(toc_path: Path) -> list[str]:
@@ -122,8 +130,9 @@ def execute(notebook: Path, target: Path, cell_timeout: int, root: Path) -> None
             extra_arguments=["--IPKernelApp.log_level=ERROR"],
         )
     except PapermillExecutionError as err:
-        if err.ename == UNAVAILABLE:
-            raise NotExecutable(err.evalue.strip()) from None
+        # Known by its source: papermill's injected cells shift the indices.
+        if err.ename == UNAVAILABLE and err.source == setup_cell_source(notebook):
+            raise NotExecutable(" ".join(err.evalue.split())) from None
         raise BuildError(
             f"{notebook.relative_to(root)}: cell {err.exec_count} raised {err.ename}: {err.evalue.strip()}\n"
             f"  (the executed copy with the traceback is {target})"
@@ -135,7 +144,7 @@ def execute(notebook: Path, target: Path, cell_timeout: int, root: Path) -> None
 
 def stage_and_execute(
     root: Path, out: Path, cell_timeout: int, force: bool, jobs: int
-) -> list[tuple[str, str, float]]:
+) -> tuple[list[tuple[str, str, float]], dict[str, str]]:
     staging = out / "source"
     staging.mkdir(parents=True, exist_ok=True)
     for name in STAGED_TOP_LEVEL:
@@ -205,7 +214,8 @@ def stage_unexecuted(notebook: Path, target: Path, reason: str) -> None:
     note = {"cell_type": "markdown", "id": "not-executed", "metadata": {},
             "source": ["```{warning}\n", f"This section was not executed when this copy of the book was built: "
                        f"{reason}\n", "```\n"]}
-    source["cells"].insert(1 if source["cells"][0]["cell_type"] == "markdown" else 0, note)
+    cells = source["cells"]
+    cells.insert(1 if cells and cells[0]["cell_type"] == "markdown" else 0, note)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(source, indent=1))
 
@@ -263,7 +273,7 @@ def print_table(report: list[tuple[str, str, float]], not_executed: dict[str, st
         print(f"{rel.ljust(width)}  {status:<20}  {shown}")
     print(f"{'total'.ljust(width)}  {'':<20}  {sum(r[2] for r in report):7.1f}\n")
     if not_executed:
-        print(f"{len(not_executed)} sections were not executed on this machine; their pages say why:")
+        print(f"not executed on this machine ({len(not_executed)}); their pages say why:")
         for rel, reason in not_executed.items():
             print(f"  {rel}: {reason}")
         print()

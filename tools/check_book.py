@@ -63,7 +63,17 @@ def source_problems(notebook: Path) -> list[str]:
     kernel = nb.get("metadata", {}).get("kernelspec", {}).get("name")
     if kernel != "python3":
         problems.append(f"{notebook}: kernelspec is {kernel!r}, expected 'python3'")
+    problems += [f"{notebook}: {p}" for p in _lab_problems(["".join(c.get("source", "")) for c in code_cells])]
     return problems
+
+
+def _lab_problems(sources: list[str]) -> list[str]:
+    """A section on the cluster lab says first, in its set-up cell, when this machine cannot run it."""
+    text = "\n".join(sources)
+    needed = "require_slurm()" if "SlurmLab" in text else "require_lab()" if "ClusterLab" in text else None
+    if needed and (len(sources) < 2 or needed not in sources[1]):
+        return [f"it uses the cluster lab, so its set-up cell (code cell 2) must call {needed} (CONTRIBUTING)"]
+    return []
 
 
 def executed_problems(notebook: Path) -> list[str]:

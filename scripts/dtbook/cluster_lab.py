@@ -20,7 +20,10 @@ own network. An ordinary user gets a *lab host* instead: one process started wit
 --map-root-user --net --mount``, in whose namespaces the user is root, so it can create network
 namespaces, veths, a bridge and tbf queues there; every command that builds or drives the lab enters
 it first (``nsenter``). The lab host stands in for the machine's network: it has its own loopback and
-the bridge, and it ends when the Python process that started it does. This module does not import torch.
+the bridge. When the Python process that started it ends, even killed outright, the lab host kills
+every process left in its user namespace (nodes, jobs, Slurm's daemons), and the lab is gone with it.
+Each process has its own lab host, so ``status`` and ``down`` see only their own (and need no clean-up
+of an ordinary user's labs). This module does not import torch.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import argparse
 import atexit
 import fcntl
 import os
+import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -92,10 +97,15 @@ class LabError(RuntimeError):
 
 
 def require_lab() -> None:
-    """Raise ``LabUnavailable`` where no lab can be built: the first output of a section that needs one."""
+    """Raise ``LabUnavailable`` where no lab can be built: the first output of a section that needs one.
+
+    An ordinary user's lab host starts here, so that a failure to start it is that first output too.
+    """
     problem = lab_problem()
     if problem:
         raise LabUnavailable(problem)
+    if os.geteuid() != 0:
+        LabHost.get()
 
 
 def add_sbin_to_path() -> None:
@@ -140,24 +150,32 @@ def _user_namespace_problem() -> str | None:
     return _USERNS_PROBE[0]
 
 
-# The lab host's set-up, run as root of its namespaces: /run/netns must be writable for `ip netns`
-# (a tmpfs over /run when the machine has no /run/netns yet, with /etc/resolv.conf's target on it
-# again where that is a link into /run), loopback up; then it waits until its parent closes stdin.
+# The lab host's set-up, run as root of its namespaces: /run/netns must be writable for `ip netns`.
+# Where the machine has no /run/netns yet, the user cannot create it, so a tmpfs covers all of /run
+# inside the lab host (with /etc/resolv.conf's target made again where that is a link into /run,
+# so nodes can mount their own over it). Lab processes then miss what else /run held: the user's
+# XDG_RUNTIME_DIR, /run/lock, syslog's socket; nothing the lab runs needs them. Loopback comes up;
+# then it waits until its owner closes stdin or dies, and kills every process left in its user
+# namespace (nodes, jobs, Slurm's daemons), which would otherwise keep the lab alive.
 LAB_HOST_INIT = """
 set -e
 if [ -d /run/netns ]; then mount -t tmpfs lab-netns /run/netns
 else
-  resolv=$(readlink -f /etc/resolv.conf)
+  resolv=$(readlink -m /etc/resolv.conf)
   mount -t tmpfs lab-run /run && mkdir /run/netns
   case "$resolv" in /run/*) mkdir -p "$(dirname "$resolv")" && : > "$resolv";; esac
 fi
 ip link set lo up
 echo ready
-cat >/dev/null
-# Its owner is gone (even killed outright): end what still runs on the nodes, which would
-# otherwise keep their namespaces, and with that the lab, alive.
-for round in 1 2 3; do
-  for ns in $(ip netns list | cut -d' ' -f1); do kill -9 $(ip netns pids "$ns") 2>/dev/null || true; done
+cat >/dev/null || true
+me=$(readlink /proc/$$/ns/user)
+for round in 1 2 3 4 5; do
+  for proc in /proc/[0-9]*; do
+    pid=${proc#/proc/}
+    [ "$pid" != $$ ] && [ "$(readlink "$proc/ns/user" 2>/dev/null)" = "$me" ] && kill -9 "$pid" 2>/dev/null \
+      || true
+  done
+  sleep 0.1
 done
 """
 
@@ -166,12 +184,15 @@ class LabHost:
     """The namespaces an ordinary user's labs live in (see the module's docstring); one per process."""
 
     _current: LabHost | None = None
+    _lock = threading.Lock()
 
     def __init__(self):
-        # With uidmap's newuidmap/newgidmap (and this user's ranges in /etc/subuid, /etc/subgid),
-        # --map-auto maps more ids than the user's own and leaves setgroups allowed, which Slurm's
-        # daemons call; without them the kernel denies setgroups to the namespace (the cluster lab
-        # still works, Slurm does not: see groups_allowed).
+        # Slurm's daemons call setgroups, which the kernel allows in a user namespace only when a
+        # privileged helper, uidmap's newgidmap, wrote its group map (user_namespaces(7)). unshare's
+        # --map-auto (util-linux 2.38+) has newuidmap/newgidmap map the user's ranges from
+        # /etc/subuid and /etc/subgid; where that fails, the lab host maps the user alone: the
+        # cluster lab works, Slurm does not, and groups_problem says why.
+        self.groups_problem: str | None = "uidmap's newuidmap and newgidmap are not installed"
         attempts = [["--map-auto"], []] if shutil.which("newuidmap") and shutil.which("newgidmap") else [[]]
         for extra in attempts:
             self.proc = subprocess.Popen(["unshare", "--user", "--map-root-user", *extra, "--net", "--mount",
@@ -181,41 +202,62 @@ class LabHost:
             if self.proc.stdout.readline().strip() == "ready":
                 break
             self.proc.wait(timeout=10)
-            error = self.proc.stderr.read().strip()[-300:]
+            error = " ".join(self.proc.stderr.read().split())[-300:] or f"exit {self.proc.returncode}"
+            if extra:
+                self.groups_problem = f"`unshare --map-auto` failed ({error})"
         else:
             raise LabUnavailable(f"the lab host did not start: {error}")
-        self.groups_allowed = Path(f"/proc/{self.proc.pid}/setgroups").read_text().strip() == "allow"
+        if Path(f"/proc/{self.proc.pid}/setgroups").read_text().strip() == "allow":
+            self.groups_problem = None
+        self.owner = os.getpid()
         atexit.register(self.close)
+
+    def alive(self) -> bool:
+        if os.getpid() != self.owner:  # a forked child: the lab host is its parent's child, not its own
+            return Path(f"/proc/{self.proc.pid}").exists()
+        return self.proc.poll() is None
 
     @classmethod
     def get(cls) -> LabHost:
-        if cls._current is None or cls._current.proc.poll() is not None:
-            cls._current = cls()
-        return cls._current
+        with cls._lock:
+            if cls._current is None or not cls._current.alive():
+                cls._current = cls()
+            return cls._current
 
-    @property
-    def enter(self) -> list[str]:
-        """The prefix that runs a command in the lab host, as its root (the user's own uid)."""
-        # --preserve-credentials: nsenter would otherwise call setgroups, which a namespace
-        # mapped by an unprivileged user refuses; the user's uid already is root inside.
-        # --wd=.: entering a mount namespace moves to its root; the command keeps the caller's folder.
-        return ["nsenter", f"--target={self.proc.pid}", "--user", "--mount", "--net",
-                "--preserve-credentials", "--wd=.", "--"]
+    @classmethod
+    def running(cls) -> bool:
+        """Whether this process has a live lab host (one is never started just to tear a lab down)."""
+        return cls._current is not None and cls._current.alive()
+
+    def enter(self, *namespaces: str) -> list[str]:
+        """The prefix that runs a command as root of the lab host (the user's own uid), in its user
+        namespace and ``namespaces`` of its others ("--net", "--mount", "--net=FILE")."""
+        # --preserve-credentials: nsenter would otherwise call setgroups, which a namespace mapped
+        # by an unprivileged user may refuse; the user's uid already is root inside.
+        return ["nsenter", f"--target={self.proc.pid}", "--user", *namespaces, "--preserve-credentials", "--"]
 
     def path(self, inside: str) -> str:
         """A path of the lab host's own mounts (``/run/netns/...``), as this process can open it."""
         return f"/proc/{self.proc.pid}/root{inside}"
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # its `cat` ends, and with it the namespaces nothing else holds
-            self.proc.wait(timeout=10)
+        if os.getpid() == self.owner and self.proc.poll() is None:
+            self.proc.stdin.close()  # its `cat` ends: it kills what is left, and the namespaces go
+            self.proc.wait(timeout=30)
         atexit.unregister(self.close)
 
 
 def lab_prefix() -> list[str]:
-    """What runs a command where the labs live: nothing as root; the lab host's nsenter otherwise."""
-    return [] if os.geteuid() == 0 else LabHost.get().enter
+    """What runs a command that builds or inspects labs (ip, tc): nothing as root; for an ordinary
+    user, the lab host's network and its mounts, which hold /run/netns."""
+    return [] if os.geteuid() == 0 else LabHost.get().enter("--net", "--mount")
+
+
+def host_prefix() -> list[str]:
+    """What runs a program on the labs' host (Slurm's controller and commands): nothing as root; for an
+    ordinary user, the lab host's network only. Its mounts are left out: a process that entered them
+    would work in a folder it cannot reach from there (a rename beside it fails, EXDEV)."""
+    return [] if os.geteuid() == 0 else LabHost.get().enter("--net")
 
 
 def lab_path(inside: str) -> str:
@@ -321,6 +363,11 @@ def _wait_until_links_gone(prefix: str, timeout: float = 10) -> None:
 def _try_lock(slot: int) -> int | None:
     """An open, exclusively locked file descriptor for ``slot``, or None if another lab holds it."""
     STATE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)  # munged refuses a folder others may write
+    state = os.lstat(STATE_DIR)
+    if not stat.S_ISDIR(state.st_mode) or state.st_uid != os.geteuid() or state.st_mode & 0o077:
+        # In /tmp another user could have made it first: the munge key and hosts file go in there.
+        raise LabUnavailable(f"{STATE_DIR} must be a folder of this user's that no one else may open; "
+                             "remove it and try again")
     fd = os.open(STATE_DIR / f"slot{slot}.lock", os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -373,9 +420,7 @@ class ClusterLab:
         return f"{self.subnet}.1"
 
     def up(self) -> ClusterLab:
-        problem = lab_problem()
-        if problem:
-            raise LabUnavailable(problem)
+        require_lab()  # and an ordinary user's lab host, whose exit handler must run after down()'s
         if self.slot is not None:
             return self
         for slot in range(SLOTS):
@@ -385,7 +430,7 @@ class ClusterLab:
                 self._lock_fd = fd
                 break
         else:
-            raise LabUnavailable(f"all {SLOTS} lab slots are in use (see `python -m dtbook.cluster_lab status`)")
+            raise LabError(f"all {SLOTS} lab slots are in use (see `python -m dtbook.cluster_lab status`)")
         atexit.register(self.down)
         self._handle_termination_signals()
         try:
@@ -446,7 +491,8 @@ class ClusterLab:
                 return
             for proc in self._procs:
                 _end_group(proc)
-            remove_slot(self.slot)
+            if os.geteuid() == 0 or LabHost.running():  # a lab host that ended took the lab with it
+                remove_slot(self.slot)
             self.slot = None
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -531,7 +577,10 @@ class ClusterLab:
     def node_command(self, node: int, argv) -> list[str]:
         """``argv`` as a command that runs on lab node ``node`` (its network, host name and hosts file)."""
         n = self.nodes[node]
-        return [*lab_prefix(), "nsenter", f"--net=/run/netns/{n.netns}", "--", "unshare", "--uts", "--mount", "--",
+        # An ordinary user's node is entered from outside the lab host's mounts (host_prefix says why).
+        enter = (["nsenter", f"--net=/run/netns/{n.netns}", "--"] if os.geteuid() == 0 else
+                 LabHost.get().enter(f"--net={lab_path(f'/run/netns/{n.netns}')}"))
+        return [*enter, "unshare", "--uts", "--mount", "--",
                 "sh", "-c", NODE_INIT, "node-init", n.hostname, str(self.hosts_file), str(self.resolv_file),
                 *map(str, argv)]
 
@@ -689,7 +738,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with ClusterLab(args.nodes, args.rate_gbit or None) as lab:
             print(lab.describe())
-            print(f"run a command on a node: {' '.join(lab.node_command(0, ['bash']))}")
+            print(f"run a command on a node: {shlex.join(lab.node_command(0, ['bash']))}")
             print("Ctrl-C tears the lab down")
             try:
                 signal.pause()

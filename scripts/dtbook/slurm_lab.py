@@ -32,8 +32,8 @@ from dtbook.cluster_lab import (
     LabError,
     LabHost,
     LabUnavailable,
+    host_prefix,
     install_hint,
-    lab_prefix,
     lab_problem,
     missing_packages,
     require_lab,
@@ -104,10 +104,11 @@ def slurm_problem() -> str | None:
     if missing:
         return (f"this section runs a real Slurm cluster and needs Debian's {', '.join(missing)}: "
                 f"{install_hint(missing)}")
-    if os.geteuid() != 0 and not lab_problem() and not LabHost.get().groups_allowed:
-        return ("Slurm's daemons call setgroups, which a user namespace allows only when newuidmap and "
-                "newgidmap map it: `sudo apt-get install uidmap` (with ranges for this user in /etc/subuid "
-                "and /etc/subgid, which adduser writes)")
+    if os.geteuid() != 0 and not lab_problem() and LabHost.get().groups_problem:
+        return ("Slurm's daemons call setgroups, which a user namespace allows only when uidmap's newgidmap "
+                f"mapped it, and here {LabHost.get().groups_problem}: it needs util-linux 2.38 or newer, "
+                "uidmap (`sudo apt-get install uidmap`) and this user's ranges in /etc/subuid and "
+                "/etc/subgid (adduser writes them)")
     return None
 
 
@@ -171,7 +172,7 @@ class SlurmLab:
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         # munged refuses a socket directory others may write to, and clients must reach the socket.
         (self.dir / "munge").chmod(0o711)
-        key = subprocess.run([*lab_prefix(), "mungekey", "--create", f"--keyfile={self.dir / 'munge' / 'munge.key'}"],
+        key = subprocess.run([*host_prefix(), "mungekey", "--create", f"--keyfile={self.dir / 'munge' / 'munge.key'}"],
                              capture_output=True, text=True, timeout=30)
         if key.returncode != 0:
             raise SlurmError(f"mungekey could not create a key: {key.stderr.strip()}")
@@ -202,7 +203,7 @@ class SlurmLab:
                                                 stderr=subprocess.DEVNULL))
 
     def _spawn(self, argv: list[str]) -> None:
-        self._daemons.append(subprocess.Popen([*lab_prefix(), *argv], stdout=subprocess.DEVNULL,
+        self._daemons.append(subprocess.Popen([*host_prefix(), *argv], stdout=subprocess.DEVNULL,
                                               stderr=subprocess.DEVNULL, env=self.env, start_new_session=True))
 
     def _wait_for_idle_nodes(self, timeout: float) -> None:
@@ -211,7 +212,7 @@ class SlurmLab:
                 if proc.poll() is not None:
                     raise SlurmError(f"{shlex.join(map(str, proc.args))[-60:]} exited with {proc.returncode}; "
                                      f"its log is in {self.dir}\n{self.log_tail()}")
-            done = subprocess.run([*lab_prefix(), "sinfo", "-h", "-o", "%T %D"], capture_output=True, text=True,
+            done = subprocess.run([*host_prefix(), "sinfo", "-h", "-o", "%T %D"], capture_output=True, text=True,
                                   env=self.env)
             return done.returncode == 0 and done.stdout.split() == ["idle", str(len(self.lab.nodes))]
 
@@ -237,7 +238,7 @@ class SlurmLab:
         self.started = False
         atexit.unregister(self.down)
         if self._daemons and self._daemons[0].poll() is None and self.conf.exists():
-            subprocess.run([*lab_prefix(), "scancel", "--full", "--user=root"], capture_output=True, env=self.env,
+            subprocess.run([*host_prefix(), "scancel", "--full", "--user=root"], capture_output=True, env=self.env,
                            timeout=30)
         for node in self.lab.nodes:  # slurmd and slurmstepd, and whatever jobs still run there
             self.lab.kill_node(node.index)
@@ -270,7 +271,7 @@ class SlurmLab:
         argv = [str(a) for a in argv]
         if show and not self.quiet:
             print(f"$ {shlex.join(argv)}", flush=True)
-        done = subprocess.run([*lab_prefix(), *argv], capture_output=True, text=True, env=self.env, timeout=timeout,
+        done = subprocess.run([*host_prefix(), *argv], capture_output=True, text=True, env=self.env, timeout=timeout,
                               cwd=REPO_ROOT)
         if show and not self.quiet:
             print((done.stdout + done.stderr).rstrip(), flush=True)
@@ -289,7 +290,7 @@ class SlurmLab:
         if not self.quiet:
             exported = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in extra.items())
             print(f"$ {(exported + ' ') if exported else ''}{shlex.join(argv)}", flush=True)
-        done = subprocess.run([*lab_prefix(), *argv], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        done = subprocess.run([*host_prefix(), *argv], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
                               env={**self.env, **{k: str(v) for k, v in extra.items()}})
         if done.returncode != 0:
             raise SlurmError(f"sbatch refused the job: {done.stderr.strip()}")

@@ -8,6 +8,7 @@ and a hang among three ranks.
 """
 
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,14 @@ def test_three_ranks_one_extra_collective(tmp_path):
     assert len({e["collective_seq_id"] for e in last}) == 1
     before = [[(e["profiling_name"], e["input_sizes"]) for e in d["entries"][:-1]] for d in dumps]
     assert before[0] == before[1] == before[2]
+
+
+def test_the_ranks_name_py_spy_as_a_tracer_where_yama_exists():
+    """prctl(PR_SET_PTRACER) is Yama's: it succeeds where Yama is loaded, and the kernel answers
+    EINVAL without it. Where Yama is missing (this suite's machine so far) this shows only that
+    the call reaches prctl and reports its errno; where Yama runs, that the call is well formed."""
+    import errno
+
+    result = load_script(SCRIPT).allow_py_spy()
+    yama = Path("/proc/sys/kernel/yama/ptrace_scope").exists()
+    assert result == (0 if yama else errno.EINVAL)

@@ -47,6 +47,17 @@ def test_source_check_rejects_missing_parameters_cell_and_wrong_kernel(tmp_path)
     assert any("kernelspec" in p for p in problems)
 
 
+def test_source_check_wants_a_lab_section_to_say_first_when_the_lab_cannot_run(tmp_path):
+    lab = "from dtbook.cluster_lab import ClusterLab, require_lab"
+    assert source_problems(write_notebook(tmp_path / "ok.ipynb", f"{lab}\nrequire_lab()",
+                                          "lab = ClusterLab().up()")) == []
+    late = source_problems(write_notebook(tmp_path / "late.ipynb", lab, "require_lab()\nClusterLab().up()"))
+    assert len(late) == 1 and "must call require_lab()" in late[0]
+    slurm = source_problems(write_notebook(tmp_path / "slurm.ipynb", f"{lab}\nrequire_lab()",
+                                           "SlurmLab(ClusterLab().up())"))
+    assert len(slurm) == 1 and "require_slurm()" in slurm[0]
+
+
 def test_source_check_rejects_a_second_configuration_and_shown_set_up(tmp_path):
     """One configuration (no QUICK); the parameter and set-up cells' code is hidden."""
     path = write_notebook(tmp_path / "quick.ipynb", "MODEL = 'tiny' if QUICK else 'small'")
@@ -242,6 +253,16 @@ def test_builder_builds_the_rest_when_a_section_cannot_run_on_this_machine(tmp_p
         staged["cells"][1]["source"])
     # Not fingerprinted: the next build tries it again (a machine may have gained what it lacked).
     assert "not" == statuses(build(tmp_path, "--out", str(out)))["notebooks/lab.ipynb"]
+
+
+def test_a_lab_that_fails_after_its_set_up_fails_the_build(tmp_path):
+    """The control: past the set-up cell the machine can run the lab, so the same exception (all
+    slots taken, a lab host that died) is a failure, not a section this machine cannot run."""
+    make_book(tmp_path, "notebooks/lab")
+    write_notebook(tmp_path / "notebooks" / "lab.ipynb", "from dtbook.cluster_lab import LabUnavailable",
+                   "raise LabUnavailable('the lab host did not start')")
+    done = build(tmp_path)
+    assert done.returncode != 0 and "the lab host did not start" in done.stderr
 
 
 def test_a_section_that_cannot_run_here_says_so_in_one_line_not_a_traceback(tmp_path):
