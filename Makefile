@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test venv chromium slurm clean gpu-results
+.PHONY: book test venv lock chromium slurm clean gpu-results
 
 # Chapter 5 (and 6.5, 7's lab runs) builds a cluster in a box: Linux network namespaces, tc and
 # Slurm, which need root. The build says so before it starts, and installs what it needs.
@@ -30,6 +30,29 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# requirements.txt: the lock of requirements.in for every supported Python (3.10 to 3.13), one
+# universal resolution by a pinned uv in a throwaway venv, with environment markers where a version must
+# differ between Pythons. It keeps the versions requirements.txt already has wherever they still fit
+# (make lock LOCK_ARGS="--upgrade-package X" moves one).
+# torch's CUDA libraries (CUDA_PACKAGES) are left out, so that a CPU build of torch, which the book runs
+# on, is not made to install gigabytes of libraries it never loads. A CUDA torch from PyPI installs them
+# at the versions its metadata names: torch 2.13.0 pins cuDNN, NCCL, cuSPARSELt, NVSHMEM, triton and
+# cuda-toolkit==13.0.3 exactly, and cuda-toolkit pins cuBLAS, cuFFT and the others; only nvidia-nvjitlink,
+# cuda-bindings (both <14) and cuda-pathfinder are ranges, resolved when torch is installed.
+UV_VERSION    := 0.13.9
+LOCK_PYTHON   := 3.10
+CUDA_PACKAGES := cuda-bindings cuda-pathfinder cuda-toolkit nvidia-cublas nvidia-cuda-cupti \
+  nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand \
+  nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-nccl-cu13 nvidia-nvjitlink \
+  nvidia-nvshmem-cu13 nvidia-nvtx triton
+LOCK_ARGS ?=
+lock:
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(PYTHON) -m venv "$$tmp/venv" && "$$tmp/venv/bin/pip" install -q --disable-pip-version-check uv==$(UV_VERSION) && \
+	UV_PYTHON_DOWNLOADS=never "$$tmp/venv/bin/uv" pip compile requirements.in --universal \
+	  --python-version $(LOCK_PYTHON) --custom-compile-command "make lock" -o requirements.txt -q \
+	  $(addprefix --no-emit-package ,$(CUDA_PACKAGES)) $(LOCK_ARGS)
 
 # The browser check drives Debian's Chromium through Playwright (no `playwright install`).
 chromium:
