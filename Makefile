@@ -1,6 +1,6 @@
 # The two commands a reader needs: `make book` and `make test`.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
@@ -23,15 +23,21 @@ venv: $(STAMP)
 gpu-results: $(STAMP)
 	$(BIN)/python scripts/gpu_results.py
 
+# A Python that requirements.txt is not made for, or one without venv's ensurepip, is refused in one
+# line (make's own "*** ... Stop.") before anything is created: tools/check_python.py says why.
+PYTHON_PROBLEM = $(shell if command -v $(PYTHON) >/dev/null 2>&1; then $(PYTHON) tools/check_python.py 2>&1; \
+  else echo "$(PYTHON) not found: name an installed Python with make venv PYTHON=python3.X"; fi)
+
 # The book's library (scripts/dtbook) is installed in editable mode, so notebooks and tests import it
 # without path tricks; --no-build-isolation builds it with the pinned setuptools, offline.
 $(STAMP): requirements.txt pyproject.toml
+	$(if $(PYTHON_PROBLEM),$(error $(PYTHON_PROBLEM)))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# requirements.txt: the lock of requirements.in for every supported Python (3.10 to 3.13), one
+# requirements.txt: the lock of requirements.in for every supported Python (tools/check_python.py), one
 # universal resolution by a pinned uv in a throwaway venv, with environment markers where a version must
 # differ between Pythons. It keeps the versions requirements.txt already has wherever they still fit
 # (make lock LOCK_ARGS="--upgrade-package X" moves one).
