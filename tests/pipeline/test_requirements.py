@@ -275,12 +275,14 @@ def test_the_walk_finds_a_missing_and_a_needless_pin(checked):
 def test_torch_pins_the_cuda_libraries_the_lock_leaves_out(checked):
     """make lock leaves them out because torch's metadata names their versions: exactly, but for
     cuda-bindings (a range below 14, as the Makefile says)."""
+    if sys.platform != "linux":
+        pytest.skip("torch's wheels name CUDA libraries on Linux only")
     check = checked["3.11.7"]
     torch = check.wheels["torch", check.pins["torch"]]
     env = environment("3.11.7") | {"extra": ""}
     cuda = [Requirement(r) for r in torch.requires_dist if canonicalize_name(Requirement(r).name) in OMITTED]
     cuda = [r for r in cuda if r.marker is None or r.marker.evaluate(env)]
-    assert cuda, "torch from PyPI names no CUDA library on this machine: is it not Linux x86-64?"
+    assert cuda, "torch from PyPI names no CUDA library"
     loose = sorted(r.name for r in cuda if [s.operator for s in r.specifier] != ["=="])
     assert loose == ["cuda-bindings"], [str(r) for r in cuda]
     assert not OMITTED & set(pins_for("3.11.7")), "the lock pins a package that make lock leaves out"
