@@ -1,10 +1,10 @@
 # The two commands a reader needs: `make book` and `make test`.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test venv chromium slurm clean gpu-results
+.PHONY: book test venv lock chromium slurm clean gpu-results
 
 # Chapter 5 (and 6.5, 7's lab runs, 8.8) builds a cluster in a box: Linux network namespaces, tc and
 # Slurm, as root or, for an ordinary user, in an unprivileged user namespace. Where neither works,
@@ -23,13 +23,42 @@ venv: $(STAMP)
 gpu-results: $(STAMP)
 	$(BIN)/python scripts/gpu_results.py
 
+# A Python that requirements.txt is not made for, or one without venv's ensurepip, is refused in one
+# line (make's own "*** ... Stop.") before anything is created: tools/check_python.py says why.
+PYTHON_PROBLEM = $(shell if command -v $(PYTHON) >/dev/null 2>&1; then $(PYTHON) tools/check_python.py 2>&1; \
+  else echo "$(PYTHON) not found: name an installed Python with make venv PYTHON=python3.X"; fi)
+
 # The book's library (scripts/dtbook) is installed in editable mode, so notebooks and tests import it
 # without path tricks; --no-build-isolation builds it with the pinned setuptools, offline.
 $(STAMP): requirements.txt pyproject.toml
+	$(if $(PYTHON_PROBLEM),$(error $(PYTHON_PROBLEM)))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# requirements.txt: the lock of requirements.in for every supported Python (tools/check_python.py), one
+# universal resolution by a pinned uv in a throwaway venv, with environment markers where a version must
+# differ between Pythons. It keeps the versions requirements.txt already has wherever they still fit
+# (make lock LOCK_ARGS="--upgrade-package X" moves one).
+# torch's CUDA libraries (CUDA_PACKAGES) are left out, so that a CPU build of torch, which the book runs
+# on, is not made to install gigabytes of libraries it never loads. A CUDA torch from PyPI installs them
+# at the versions its metadata names: torch 2.13.0 pins cuDNN, NCCL, cuSPARSELt, NVSHMEM, triton and
+# cuda-toolkit==13.0.3 exactly, and cuda-toolkit pins cuBLAS, cuFFT and the others; only nvidia-nvjitlink,
+# cuda-bindings (both <14) and cuda-pathfinder are ranges, resolved when torch is installed.
+UV_VERSION    := 0.13.9
+LOCK_PYTHON   := 3.10
+CUDA_PACKAGES := cuda-bindings cuda-pathfinder cuda-toolkit nvidia-cublas nvidia-cuda-cupti \
+  nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand \
+  nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-nccl-cu13 nvidia-nvjitlink \
+  nvidia-nvshmem-cu13 nvidia-nvtx triton
+LOCK_ARGS ?=
+lock:
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(PYTHON) -m venv "$$tmp/venv" && "$$tmp/venv/bin/pip" install -q --disable-pip-version-check uv==$(UV_VERSION) && \
+	UV_PYTHON_DOWNLOADS=never "$$tmp/venv/bin/uv" pip compile requirements.in --universal \
+	  --python-version $(LOCK_PYTHON) --custom-compile-command "make lock" -o requirements.txt -q \
+	  $(addprefix --no-emit-package ,$(CUDA_PACKAGES)) $(LOCK_ARGS)
 
 # Debian's packages are installed with apt-get as root, or with `sudo -n` where the user may use
 # it without a password; anyone else is told the one command an administrator runs. Distributions
