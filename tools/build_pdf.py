@@ -4,10 +4,11 @@
     python tools/build_pdf.py --book DIR       # a book that `build_book.py --out DIR` built
 
 It executes nothing: it renders the notebooks that the book's build executed into its staging
-copy (DIR/source). Sphinx's singlehtml builder puts every page on one HTML page, with execution
-off and every warning an error, as for the HTML book; Debian's chromium, driven by Playwright
-(no `playwright install`, no network), opens that page over local HTTP, opens what the pages
-fold away (the code cells tagged hide-input), waits for MathJax and the images, and prints it.
+copy (DIR/source). Sphinx's singlehtml builder puts every page on one HTML page (DIR/_build/
+singlehtml), with execution off and every warning an error, as for the HTML book; Debian's
+chromium, driven by Playwright (no `playwright install`, no network), loads it over local HTTP,
+unfolds the code cells tagged hide-input, waits for MathJax and the images, and prints it, with
+the headings as the PDF's bookmarks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from build_book import BuildError, resolve_entry, toc_entries
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Debian's chromium, as the browser check (tests/pipeline/test_browser.py) drives it.
+# Debian's chromium, and how it starts here and in the browser check (tests/pipeline/test_browser.py).
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",  # CI runs as root, where Chromium's sandbox refuses to start
