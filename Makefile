@@ -1,16 +1,21 @@
-# The two commands a reader needs: `make book` and `make test`.
+# The two commands a reader needs: `make book` and `make test` (and `make pdf`, to read offline).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test venv chromium slurm clean gpu-results
+.PHONY: book pdf test venv chromium slurm clean gpu-results
 
 # Chapter 5 (and 6.5, 7's lab runs) builds a cluster in a box: Linux network namespaces, tc and
 # Slurm, which need root. The build says so before it starts, and installs what it needs.
 book: $(STAMP) slurm
 	@echo "make book: chapter 5, 6.5 and chapter 7's lab runs need Linux and root (network namespaces, tc, Slurm)"
 	$(BIN)/python tools/build_book.py
+
+# The executed book as one PDF (_build/book/pdf/book.pdf), printed by the browser check's Chromium.
+# After `make book` nothing is executed again; on a fresh clone the book is built first.
+pdf: book chromium
+	$(BIN)/python tools/build_pdf.py
 
 # The tests check the book `make book` builds (_build/book): after `make book` only the tests run;
 # on a fresh clone the build runs beside them.
