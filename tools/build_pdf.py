@@ -87,9 +87,15 @@ PREPARE_JS = """([chapters, rootFile]) => {
         pre.querySelectorAll('span:not(.c, .c1, .ch, .cm, .cs, .sd)').forEach(t => t.replaceWith(...t.childNodes));
         pre.normalize();
     });
+    // A chapter's page break goes on the outermost box that the chapter starts (a toctree's
+    // wrapper), else Chromium may give that box's empty start a page of its own.
+    const first = box => Array.from(box.children).find(c => !(c.tagName === 'SPAN' && !c.textContent));
     for (const doc of chapters) {
         const anchor = document.getElementById('document-' + doc);
-        const start = anchor && anchor.nextElementSibling;
+        let start = anchor && anchor.nextElementSibling;
+        while (start && start.parentElement.tagName !== 'ARTICLE' && first(start.parentElement) === start) {
+            start = start.parentElement;
+        }
         if (start) start.classList.add('pdf-chapter');
     }
     document.querySelectorAll('a[href^="' + rootFile + '#"]').forEach(a => {
