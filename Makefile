@@ -1,16 +1,21 @@
-# The two commands a reader needs: `make book` and `make test`.
+# The two commands a reader needs: `make book` and `make test` (and `make pdf`, to read offline).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test venv lock chromium slurm clean gpu-results
+.PHONY: book pdf test venv lock chromium slurm clean gpu-results
 
 # Chapter 5 (and 6.5, 7's lab runs, 8.8) builds a cluster in a box: Linux network namespaces, tc and
 # Slurm, as root or, for an ordinary user, in an unprivileged user namespace. Where neither works,
 # those sections are built unexecuted, each saying why, and the build's summary lists them.
 book: $(STAMP) slurm
 	$(BIN)/python tools/build_book.py
+
+# The executed book as one PDF (_build/book/pdf/book.pdf), printed by the browser check's Chromium.
+# After `make book` nothing is executed again; on a fresh clone the book is built first.
+pdf: book chromium
+	$(BIN)/python tools/build_pdf.py
 
 # The tests check the book `make book` builds (_build/book): after `make book` only the tests run;
 # on a fresh clone the build runs beside them.

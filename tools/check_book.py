@@ -154,6 +154,27 @@ def html_problems(html_dir: Path, entries: list[str]) -> list[str]:
     return problems
 
 
+def page_title(page: Path) -> str | None:
+    """A page's title as a reader sees it: its first level-1 heading, without inline code marks.
+
+    ``page`` is a notebook (its markdown cells) or a markdown page; headings inside fenced code
+    do not count. None when the page has no such heading.
+    """
+    if page.suffix == ".md":
+        texts = [page.read_text()]
+    else:
+        texts = ["".join(c.get("source", "")) for c in json.loads(page.read_text()).get("cells", [])
+                 if c.get("cell_type") == "markdown"]
+    for text in texts:
+        fenced = False
+        for line in text.splitlines():
+            if line.lstrip().startswith(("```", "~~~")):
+                fenced = not fenced
+            elif not fenced and line.startswith("# "):
+                return line[2:].strip().replace("`", "")
+    return None
+
+
 # The widest line of code the book's page shows without a scroll bar: at a 1366-pixel-wide
 # window the theme's code blocks hold 85 characters (measured in Chromium; the browser
 # check in tests/pipeline/test_browser.py measures the real pages).

@@ -2,16 +2,14 @@
 
 import functools
 import http.server
-import shutil
 import threading
 from urllib.parse import urljoin
 
 import pytest
 
 from build_book import resolve_entry, toc_entries
+from build_pdf import CHROMIUM, CHROMIUM_ARGS  # Debian's chromium, and how both checks start it
 from support import REPO
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 # Console messages the theme is known to emit that say nothing about our pages. Keep this short.
 KNOWN_CONSOLE_NOISE = (
@@ -34,16 +32,6 @@ WIDE_CODE_JS = """() => Array.from(document.querySelectorAll('div.highlight pre'
         caption: pre.closest('.literal-block-wrapper')?.querySelector('.caption-text')?.innerText ?? '',
         first: (pre.textContent.split('\\n').find(line => line.trim()) ?? '').slice(0, 70),
         overflow: pre.scrollWidth - pre.clientWidth}))"""
-
-CHROMIUM_ARGS = [
-    "--no-sandbox",  # CI runs as root, where Chromium's sandbox refuses to start
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",  # no network here: stop Chromium phoning home
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
