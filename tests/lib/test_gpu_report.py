@@ -167,3 +167,12 @@ def test_a_spent_budget_skips_runs_and_says_so(pretend_h100, tmp_path, monkeypat
     assert "skipped: budget spent" in statuses and skipped
     rendered = gpu_report.precision_table(gpu_report.load(tmp_path / "run")).rows
     assert rendered[-1][3] == "skipped: budget spent"
+
+
+def test_a_folder_made_before_the_stage_says_its_scripts_were_not_run(h100):
+    assert gpu_report.scripts_table(h100).rows == [[gpu_report.NO_SCRIPT_RUNS, "", "", ""]]
+
+
+def test_a_console_line_with_a_bar_stays_in_its_cell():
+    table = gpu_report.Table("t", ["script", "result"], [["a.py", "failed (exit 1): x | y"]])
+    assert table.markdown().splitlines()[-1] == "| a.py | failed (exit 1): x \\| y |"
