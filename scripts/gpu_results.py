@@ -261,7 +261,8 @@ def every_script_stage(out: Path, deadline: float, jobs: int, log: MetricsWriter
         return argv, status, seconds, last_line(console.read_text(errors="replace")) if failed else ""
 
     with tempfile.TemporaryDirectory(prefix="gpu_results-") as scratch:  # traces, caches: not kept
-        runs = every_script_runs(Path(scratch))
+        # The longest first, while the budget lasts; each is recorded as it ends.
+        runs = sorted(every_script_runs(Path(scratch)), key=lambda run: -run.cap_s)
         print(f"every companion script on one process, {jobs} at a time:", flush=True)
         with ThreadPoolExecutor(jobs) as pool:
             for run, (argv, status, seconds, line) in zip(runs, pool.map(one, runs), strict=True):

@@ -302,7 +302,7 @@ def scripts_table(run: Measured) -> Table:
     """Every companion script's CUDA path, one process each: gpu_results.py's every-script stage."""
     table = Table("every script's CUDA path: one process each, --backend nccl",
                   ["script", "run as", "result", "seconds"])
-    records = run.records("runs", "script")
+    records = sorted(run.records("runs", "script"), key=lambda r: r["script"])
     for r in records:
         table.rows.append([r["script"], r["how"], script_result(r), f"{r['seconds']:.1f}"])
     if not records:

@@ -176,7 +176,7 @@ def test_a_spent_budget_skips_runs_and_says_so(pretend_h100, tmp_path, monkeypat
 
 
 def test_the_every_script_stage_records_and_renders_ok_failed_and_skipped(pretend_h100, tmp_path, monkeypatch):
-    """Each script once, in the list's order: ok, failed with the line that says why, skipped with why."""
+    """Each script once, the longest first: ok, failed with the line that says why, skipped with why."""
     envs = {}
 
     def run(argv, cap_s, log, env=None):
@@ -202,11 +202,14 @@ def test_the_every_script_stage_records_and_renders_ok_failed_and_skipped(preten
     pretend_h100.main()
     records = [r for r in read_metrics(out / "runs.jsonl") if r["event"] == "script"]
     listed = pretend_h100.every_script_runs(tmp_path)
-    assert [r["script"] for r in records] == [run.script for run in listed]
+    assert [r["script"] for r in records] == [run.script for run in sorted(listed, key=lambda r: -r.cap_s)]
+    assert [r["script"] for r in records][:2] == ["ch3_compile_ddp.py", "ch7_compile_benchmark.py"]
     assert envs["ch3_hang_forensics.py"]["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert {env["OMP_NUM_THREADS"] for env in envs.values()} == {str(max(1, (os.cpu_count() or 1) // 2))}
     assert len(envs) == len(listed) - 3  # the 3 skipped for their world never start
-    rows = {row[0]: row for row in gpu_report.scripts_table(gpu_report.load(out)).rows}
+    table = gpu_report.scripts_table(gpu_report.load(out))
+    assert [row[0] for row in table.rows] == sorted(run.script for run in listed)  # by name
+    rows = {row[0]: row for row in table.rows}
     assert rows["ch1_attention.py"][1:] == ["python (a world of one)",
                                             "failed (exit 1): RuntimeError: CUDA error: no kernel image | is available",
                                             "2.5"]
@@ -306,9 +309,9 @@ def start(script, run, tmp_path, monkeypatch):
     os.environ.update(run.env)
     try:
         run_main(module.main)
-    except Started as start:
+    except Started as begun:
         # On the GPU: the group's backend, the workers' or the runs' --backend, the accelerator
-        return "started" if "'nccl'" in start.asked or "'cuda'" in start.asked else start.asked
+        return "started" if "'nccl'" in begun.asked or "'cuda'" in begun.asked else begun.asked
     except SystemExit as exit_:
         return exit_.code
     finally:
