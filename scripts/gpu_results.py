@@ -16,13 +16,18 @@ On one GPU it runs, one after the other, each with its own time cap:
   ch7_compile  ch7_compile_benchmark.py at gpt2-small; ch6_lightning: the Trainer on one GPU
 
 With 2 or more GPUs it also runs, on all of them: ch2_bandwidth.py (NCCL bus bandwidth and the
-alpha-beta fit), ch3_overlap_benchmark.py and ch4_fsdp.py at gpt2-small. A run that would start
-after --budget-s is skipped and recorded as skipped; one past its cap is killed.
+alpha-beta fit), ch3_overlap_benchmark.py and ch4_fsdp.py at gpt2-small.
+
+Then every companion script (scripts/ch*.py) once, on one process with --backend nccl and small
+arguments (every_script_runs), up to --jobs at a time: whether its CUDA path runs at all. A script
+that refuses a world of one is listed as skipped, with the reason. A run that would start after
+--budget-s is skipped and recorded as skipped; one past its cap is killed.
 
 The folder it writes holds each run's --metrics file, runs.jsonl (every command, its exit status
-and seconds), provenance.json (GPU, driver, torch, date, commit) and tables.md, rendered by
-dtbook.gpu_report exactly as the appendix renders it. To publish a folder, copy it to
-notebooks/appendix/gpu_measurements/ and name it in the appendix's MEASUREMENTS.
+and seconds), every_script/ (the stage's metrics files and console logs), provenance.json (GPU,
+driver, torch, date, commit) and tables.md, rendered by dtbook.gpu_report exactly as the appendix
+renders it. To publish a folder, copy it to notebooks/appendix/gpu_measurements/ and name it in
+the appendix's MEASUREMENTS.
 Without CUDA it says so and exits 2; --render needs no GPU.
 """
 
@@ -32,10 +37,14 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,6 +60,8 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12),
                    ("B200", 2250e12), ("A100", 312e12)]
 # (model size, batch): the book's large GPT, and GPT-2 small's shape.
 PRECISION_RUNS = [("large", 64), ("gpt2-small", 16)]
+# A script's one-line error ("error: ...", "[rank 0] error: ...") or an exception's last line.
+ERROR_LINE = re.compile(r"(^|\] )error: |\b\w*(Error|Exception): ")
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,6 +70,8 @@ def parse_args() -> argparse.Namespace:
     add("--out", type=Path, help="the folder to write (default: runs/gpu_results/<date>_<gpu>)")
     add("--budget-s", type=positive_int, default=450, help="seconds for everything (default 450)")
     add("--render", type=Path, metavar="FOLDER", help="only render FOLDER's tables (no GPU needed)")
+    add("--jobs", type=positive_int, default=4,
+        help="companion scripts at a time on the GPU in the every-script stage (default 4)")
     return parser.parse_args()
 
 
@@ -103,12 +116,15 @@ def command(script_and_args: list, processes: int, metrics: Path) -> list[str]:
     return [*launcher, str(SCRIPTS_DIR / script), *args, "--metrics", str(metrics)]
 
 
-def run_capped(argv: list[str], cap_s: float, log: Path) -> tuple[int | str, float]:
-    """Run ``argv`` with its output in ``log``; kill its whole process group past ``cap_s``."""
+def run_capped(argv: list[str], cap_s: float, log: Path, env: dict | None = None) -> tuple[int | str, float]:
+    """Run ``argv`` with its output in ``log``; kill its whole process group past ``cap_s``.
+
+    ``env``: variables added to this process's environment for the run.
+    """
     start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                start_new_session=True)
+                                env={**os.environ, **env} if env else None, start_new_session=True)
         try:
             status = proc.wait(timeout=cap_s)
         except subprocess.TimeoutExpired:
@@ -116,6 +132,143 @@ def run_capped(argv: list[str], cap_s: float, log: Path) -> tuple[int | str, flo
             proc.wait()
             status = f"killed after {cap_s} s"
     return status, time.monotonic() - start
+
+
+# ---------------------------------------------------------------- every companion script
+
+
+@dataclass
+class ScriptRun:
+    """How the every-script stage runs one companion script on one GPU, or why it does not."""
+
+    script: str
+    args: tuple = ()
+    processes: int = 0  # 0: python, a world of one; 1: torchrun --nproc_per_node=1
+    cap_s: int = 60
+    env: dict = field(default_factory=dict)  # added to the run's environment
+    skip: str = ""  # why it does not run on one process: then it is not run
+    note: str = ""  # what else the table says about the run
+
+    def how(self) -> str:
+        if self.skip:
+            return "not run"
+        how = "python (a world of one)" if self.processes == 0 else "torchrun --nproc_per_node=1"
+        return f"{how}; {self.note}" if self.note else how
+
+
+def every_script_runs(scratch: Path) -> list[ScriptRun]:
+    """Every scripts/ch*.py, with arguments small enough for seconds; its files go to ``scratch``.
+
+    tests/lib/test_gpu_report.py checks that the list names every companion script, that each
+    script takes its arguments (with --backend nccl) as far as starting its process group, and
+    that each one skipped for its world size refuses a world of one.
+    """
+    tiny, corpus = ("--model", "tiny"), ("--corpus-tokens", 20_000)
+    lab = "the book runs it across the cluster lab's nodes; here one process, no lab"
+    return [
+        ScriptRun("ch1_accumulation.py", (*tiny, "--train-steps", 2)),
+        ScriptRun("ch1_attention.py", (*tiny, "--seq-lens", 64, 128, "--repeats", 1)),
+        ScriptRun("ch1_checkpointing.py", (*tiny, "--batch-size", 4, "--repeats", 1)),
+        ScriptRun("ch1_memory.py", ("--models", "tiny", "--sweep-model", "tiny", "--batch-sizes", 1, 2,
+                                    "--seq-lens", 16, 32, "--snapshot", scratch / "ch1_snapshot.pickle")),
+        ScriptRun("ch1_precision.py", (*tiny, "--batch-size", 4, "--steps", 6, "--scaler-steps", 6,
+                                       "--inject-inf-at", 3, "--tokens-per-batch", 4096)),
+        ScriptRun("ch2_bandwidth.py", ("--max-bytes", "64KiB", "--step", 16, "--rounds", 3,
+                                       "--size-seconds", 0.2, "--copy-bytes", "1MiB",
+                                       "--model-out", scratch / "ch2_alpha_beta.json")),
+        ScriptRun("ch2_collectives.py", skip="needs 2 or more processes: collectives need company"),
+        ScriptRun("ch2_hello_distributed.py"),
+        ScriptRun("ch2_process_groups.py", skip="needs 2 or more processes: it splits the world into groups"),
+        ScriptRun("ch2_ring_all_reduce.py", ("--check-elements", 1, 4099, "--sizes", 64, "4KiB",
+                                             "--rounds", 3)),
+        ScriptRun("ch3_compile_ddp.py", ("--layers", 2, "--steps", 2), cap_s=150),
+        ScriptRun("ch3_ddp_knobs.py", (*tiny, "--sweep-model", "tiny", "--bucket-caps", 0.1, 1,
+                                       "--batch-size", 4, "--steps", 2, "--precision-steps", 3,
+                                       "--scaling-steps", 4)),
+        ScriptRun("ch3_evaluate.py", ("--train-steps", 2)),
+        ScriptRun("ch3_failures.py", ("--failure", "unused-parameter", "--both-fixes", "--steps", 2),
+                  note="--failure unused-parameter with both fixes, which ends well"),
+        ScriptRun("ch3_find_unused_cost.py", ("--steps", 3, "--warmup", 1)),
+        ScriptRun("ch3_hang_forensics.py", ("--steps", 2, "--dump-at-end"),
+                  env={"TORCH_FR_BUFFER_SIZE": "2000",
+                       "TORCH_FR_DUMP_TEMP_FILE": str(scratch / "ch3_flight_record_rank")},
+                  note="no hang (--extra-on-rank needs 2 processes): the flight recorder's dump at the end"),
+        ScriptRun("ch3_minimal_ddp.py", (*tiny, "--steps", 2)),
+        ScriptRun("ch3_overlap_benchmark.py", (*tiny, "--batch-size", 4, "--steps", 2, "--repeats", 1,
+                                               "--warmup", 1)),
+        ScriptRun("ch3_profile_step.py", (*tiny, "--batch-size", 4, "--warmup", 2,
+                                          "--trace-dir", scratch / "ch3_profile_step")),
+        ScriptRun("ch3_repeatability.py", ("--runs", 2, "--nproc", 1, "--model", "tiny", "--max-steps", 3),
+                  cap_s=90, note="it launches ch3_train.py twice itself, torchrun --nproc_per_node=1"),
+        ScriptRun("ch3_sampler.py", ("--steps", 2)),
+        ScriptRun("ch3_spawn.py", ("--nproc", 1), note="it starts its one worker itself (mp.spawn)"),
+        ScriptRun("ch3_torchrun_env.py", processes=1, note="its lesson is torchrun's variables"),
+        ScriptRun("ch3_train.py", (*tiny, *corpus, "--max-steps", 3)),
+        ScriptRun("ch4_footprint.py", (*tiny, "--batch-size", 4)),
+        ScriptRun("ch4_fsdp.py", (*tiny, *corpus, "--max-steps", 3)),
+        ScriptRun("ch4_minimal_fsdp.py", (*tiny, "--batch-size", 4, "--steps", 2)),
+        ScriptRun("ch4_pitfalls.py", ("--timeout-s", 10)),
+        ScriptRun("ch4_zero1.py", (*tiny, "--batch-size", 4, "--steps", 2)),
+        ScriptRun("ch5_cluster_check.py", ("--timeout", 30), note=lab),
+        ScriptRun("ch5_link_benchmark.py", (*tiny, "--steps", 2, "--warmup", 1, "--sizes-mib", 0.25,
+                                            "--bucket-caps", 0.25, 1), note=lab),
+        ScriptRun("ch6_fabric.py", (*tiny, *corpus, "--max-steps", 3)),
+        ScriptRun("ch6_lightning.py", (*tiny, *corpus, "--max-steps", 3), processes=1, cap_s=90),
+        ScriptRun("ch6_overhead.py", ("--steps", 3, "--rounds", 1), cap_s=90),
+        ScriptRun("ch7_compile_benchmark.py", (*tiny, "--steps", 3, "--warmup", 1,
+                                               "--cache-dir", scratch / "inductor_cache"), cap_s=150),
+        ScriptRun("ch7_profile_fsdp.py", (*tiny, "--warmup", 1, "--trace-dir", scratch / "ch7_profile_fsdp")),
+        ScriptRun("ch7_step_benchmark.py", (*tiny, "--steps", 2, "--warmup", 1)),
+        ScriptRun("ch7_stragglers.py", skip="needs 2 or more processes: a straggler is one rank among others"),
+        ScriptRun("ch8_experts.py", ("--tokens", 128, "--width", 32, "--steps", 1)),
+        ScriptRun("ch8_mesh.py", ("--tp", 1, "--steps", 2), note="a mesh of dp 1 x tp 1"),
+        ScriptRun("ch8_pipeline.py", (*tiny, "--batch-size", 4, "--microbatches", 1, 2, "--repeats", 1),
+                  note="one stage"),
+        ScriptRun("ch8_ring_attention.py", ("--seq-len", 128)),
+        ScriptRun("ch8_tensor_parallel.py", (*tiny, "--batch-size", 2)),
+    ]
+
+
+def script_command(run: ScriptRun, metrics: Path) -> list[str]:
+    """The command the every-script stage runs: the script's arguments, NCCL, ``--metrics``."""
+    return command([run.script, *run.args, "--backend", "nccl"], run.processes, metrics)
+
+
+def last_line(log: str) -> str:
+    """The line that says why a run failed: its last error line, else its last line of text."""
+    lines = [line.strip() for line in log.splitlines() if line.strip(" =-*\t")]
+    errors = [line for line in lines if ERROR_LINE.search(line) and "ChildFailedError" not in line]
+    return (errors or lines or [""])[-1][:200]
+
+
+def every_script_stage(out: Path, deadline: float, jobs: int, log: MetricsWriter) -> None:
+    """Run every_script_runs, ``jobs`` at a time, into out/every_script/; record each in ``log``."""
+    folder = out / "every_script"
+    folder.mkdir()
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))  # the cores, shared by the runs at a time
+
+    def one(run: ScriptRun) -> tuple[list[str], int | str, float, str]:
+        name = run.script.removesuffix(".py")
+        argv, console = script_command(run, folder / f"{name}.jsonl"), folder / f"{name}.log"
+        if run.skip:
+            return argv, f"skipped: {run.skip}", 0.0, ""
+        left = deadline - time.monotonic()
+        if left < run.cap_s / 2:  # too little time to finish: skipped, and said so
+            return argv, "skipped: budget spent", 0.0, ""
+        status, seconds = run_capped(argv, min(run.cap_s, left), console,
+                                     env={"OMP_NUM_THREADS": threads, **run.env})
+        failed = status != 0 and console.exists()
+        return argv, status, seconds, last_line(console.read_text(errors="replace")) if failed else ""
+
+    with tempfile.TemporaryDirectory(prefix="gpu_results-") as scratch:  # traces, caches: not kept
+        # The longest first, while the budget lasts; each is recorded as it ends.
+        runs = sorted(every_script_runs(Path(scratch)), key=lambda run: -run.cap_s)
+        print(f"every companion script on one process, {jobs} at a time:", flush=True)
+        with ThreadPoolExecutor(jobs) as pool:
+            for run, (argv, status, seconds, line) in zip(runs, pool.map(one, runs), strict=True):
+                log.write(event="script", script=run.script, how=run.how(), command=argv[1:], status=status,
+                          seconds=seconds, last_line=line, jobs=jobs)
+                print(f"  {run.script:<26} {str(status)[:40]:<40} {seconds:6.1f} s", flush=True)
 
 
 # ---------------------------------------------------------------- the precision table
@@ -264,6 +417,7 @@ def main() -> None:
             status, seconds = run_capped(argv, min(cap, left), out / f"{name}.log")
         log.write(event="run", name=name, command=argv[1:], status=status, seconds=seconds)
         print(f"  {name:<16} {status!s:<24} {seconds:6.1f} s", flush=True)
+    every_script_stage(out, deadline, args.jobs, log)
     log.close()
     print(render(out))
 

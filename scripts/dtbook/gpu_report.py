@@ -19,6 +19,7 @@ from pathlib import Path
 from dtbook.metrics import read_metrics
 
 NEEDS_TWO_GPUS = "not measured: needs ≥ 2 GPUs"
+NO_SCRIPT_RUNS = "not run: runs.jsonl records no companion script (made before gpu_results.py ran them all)"
 # The precision table's modes, in the order a reader turns them on.
 MODES = ["fp32", "tf32", "bf16", "bf16+compile"]
 # gpu_scale_probe.py's headings in its log, as the model sizes of dtbook.model.
@@ -47,7 +48,8 @@ class Table:
     def markdown(self) -> str:
         lines = [f"**{self.title}**", "", "| " + " | ".join(self.header) + " |",
                  "|" + "---|" * len(self.header)]
-        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        # A cell may quote a console line: its "|" would end the cell.
+        lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in self.rows]
         return "\n".join(lines + ([""] + [self.note] if self.note else []))
 
 
@@ -285,6 +287,34 @@ def runs_table(run: Measured) -> Table:
     return table
 
 
+def script_result(record: dict) -> str:
+    """ok, failed (how: its last line) or skipped: why, for one run of the every-script stage."""
+    status = record["status"]
+    if status == 0:
+        return "ok"
+    if isinstance(status, str) and status.startswith("skipped"):
+        return status
+    how = f"exit {status}" if isinstance(status, int) else status
+    return f"failed ({how}): {record['last_line']}" if record["last_line"] else f"failed ({how})"
+
+
+def scripts_table(run: Measured) -> Table:
+    """Every companion script's CUDA path, one process each: gpu_results.py's every-script stage."""
+    table = Table("every script's CUDA path: one process each, --backend nccl",
+                  ["script", "run as", "result", "seconds"])
+    records = sorted(run.records("runs", "script"), key=lambda r: r["script"])
+    for r in records:
+        table.rows.append([r["script"], r["how"], script_result(r), f"{r['seconds']:.1f}"])
+    if not records:
+        table.rows.append([NO_SCRIPT_RUNS, "", "", ""])
+        return table
+    results = [script_result(r).split(" ")[0].rstrip(":") for r in records]
+    table.note = (f"{results.count('ok')} ok, {results.count('failed')} failed, "
+                  f"{results.count('skipped')} skipped, of {len(records)} scripts; up to "
+                  f"{records[0]['jobs']} ran at a time, sharing the GPU and the cores.")
+    return table
+
+
 def coverage(run: Measured) -> Table:
     """Which tables this run filled, and why the others are empty."""
     table = Table(f"what {run.folder.name} measured", ["table", "status"])
@@ -305,5 +335,5 @@ SEVERAL_GPUS = [bandwidth_table, overlap_table, fsdp_table]
 def render(run: Measured) -> str:
     """Every table of one measured run, in markdown, under its provenance."""
     parts = [f"Measured on {run.describe()}."]
-    parts += [table(run).markdown() for table in ONE_GPU + SEVERAL_GPUS]
+    parts += [table(run).markdown() for table in ONE_GPU + SEVERAL_GPUS + [scripts_table]]
     return "\n\n".join(parts) + "\n"
