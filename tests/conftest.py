@@ -30,6 +30,12 @@ def pytest_configure(config):
                                 f"{torch.__version__}: run them with make test, in .venv")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that need the built book run last, in their order: on a fresh clone every other test
+    (the pins resolved for each Python, the ordinary user's lab) runs while the book builds."""
+    items.sort(key=lambda item: "book" in getattr(item, "fixturenames", ()))
+
+
 def pytest_collection_finish(session):
     """Bring the book up to date as soon as the session knows it needs it.
 
