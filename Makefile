@@ -24,7 +24,8 @@ test: $(STAMP) chromium slurm
 
 venv: $(STAMP)
 
-# Every GPU result of the book on this machine's GPUs, in under 8 minutes (refused without CUDA).
+# Every GPU result of the book on this machine's GPUs in about 8 minutes, then every companion script
+# once on one GPU in at most 4 more (refused without CUDA).
 gpu-results: $(STAMP)
 	$(BIN)/python scripts/gpu_results.py
 
@@ -46,8 +47,9 @@ $(STAMP): requirements.txt pyproject.toml
 # universal resolution by a pinned uv in a throwaway venv, with environment markers where a version must
 # differ between Pythons. It keeps the versions requirements.txt already has wherever they still fit
 # (make lock LOCK_ARGS="--upgrade-package X" moves one).
-# torch's CUDA libraries (CUDA_PACKAGES) are left out, so that a CPU build of torch, which the book runs
-# on, is not made to install gigabytes of libraries it never loads. A CUDA torch from PyPI installs them
+# torch's CUDA libraries (CUDA_PACKAGES) are left out, so that where pip finds a CPU build of torch
+# (a local wheel, or PyTorch's CPU index) it is not made to install gigabytes of libraries it never
+# loads; PyPI's own torch 2.13.0 for Linux is the CUDA build and brings them anyway. A CUDA torch from PyPI installs them
 # at the versions its metadata names: torch 2.13.0 pins cuDNN, NCCL, cuSPARSELt, NVSHMEM, triton and
 # cuda-toolkit==13.0.3 exactly, and cuda-toolkit pins cuBLAS, cuFFT and the others; only nvidia-nvjitlink,
 # cuda-bindings (both <14) and cuda-pathfinder are ranges, resolved when torch is installed.

@@ -123,9 +123,9 @@ def share_pids(metrics) -> None:
     metrics.write(event="pids", pids=pids, unix_time=time.time())
 
 
-def train_steps(steps: int) -> torch.Tensor:
+def train_steps(steps: int, device: torch.device) -> torch.Tensor:
     """Stands in for training: one all-reduce of the gradients per step."""
-    gradients = torch.ones(GRADIENT_NUMEL)
+    gradients = torch.ones(GRADIENT_NUMEL, device=device)
     for _ in range(steps):
         dist.all_reduce(gradients)
     return gradients.mean().reshape(1)
@@ -151,7 +151,7 @@ def main() -> None:
     metrics = open_metrics(args.metrics, backend, device)
     share_pids(metrics)
     try:
-        loss = train_steps(args.steps)
+        loss = train_steps(args.steps, device)
         metrics.write(event="diverging", extra_on_rank=args.extra_on_rank,
                       unix_time=time.time())
         if rank == args.extra_on_rank:

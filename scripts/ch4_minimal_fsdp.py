@@ -58,15 +58,17 @@ class GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, full_grad: torch.Tensor):
         world_size = dist.get_world_size()
-        # Reduce in the slices' dtype (fp32) even when the gathered copies are bf16:
-        # a sum of N bf16 gradients loses bits.
+        # Reduce in at least fp32 even when the gathered copies are bf16 (a sum
+        # of N bf16 gradients loses bits); fp32 and fp64 slices in their own.
         shard = ctx.group.shard
-        shard_grad = shard.new_empty(full_grad.numel() // world_size)
-        dist.reduce_scatter_single(shard_grad, full_grad.to(shard.dtype),
+        reduce_dtype = shard.dtype if shard.dtype.itemsize >= 4 else torch.float32
+        shard_grad = shard.new_empty(full_grad.numel() // world_size,
+                                     dtype=reduce_dtype)
+        dist.reduce_scatter_single(shard_grad, full_grad.to(reduce_dtype),
                                    op=dist.ReduceOp.SUM)
         # the gradient is complete: backward is done with the parameters
         ctx.group.free()
-        return shard_grad.div_(world_size), None
+        return shard_grad.div_(world_size).to(shard.dtype), None
 
 
 class FlatGroup:
@@ -205,7 +207,7 @@ class MinimalFSDP(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Gather every group in the slices' dtype (fp32); return the weights
+        """Gather every group in the slices' dtype; return the weights
         under their original names."""
         names = {module: name for name, module in self.module.named_modules()}
         state = {}

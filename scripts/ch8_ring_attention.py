@@ -123,7 +123,8 @@ def main() -> None:
     metrics = open_metrics(args.metrics, backend, device)
     generator = torch.Generator().manual_seed(args.seed)
     shape = (1, args.heads, args.seq_len, args.head_dim)
-    q, k, v, target = (torch.randn(shape, generator=generator) for _ in range(4))
+    # Drawn on the CPU, so every device gets the same numbers; NCCL needs them on the GPU.
+    q, k, v, target = (torch.randn(shape, generator=generator).to(device) for _ in range(4))
 
     full = {name: t.clone().requires_grad_() for name, t in zip("qkv", (q, k, v), strict=True)}
     with SavedTensors(exclude=full.values()) as saved:

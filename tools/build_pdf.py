@@ -198,7 +198,7 @@ def print_pdf(page: Path, pdf: Path, paper: str, chapters: list[str], root: str)
             context = browser.new_context(viewport={"width": width, "height": 1000}, color_scheme="light")
 
             def offline(route):
-                if route.request.url.startswith(server):
+                if route.request.url.startswith(server.rstrip("/") + "/"):
                     route.continue_()
                 else:
                     outside.append(route.request.url)

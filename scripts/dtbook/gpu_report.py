@@ -19,7 +19,7 @@ from pathlib import Path
 from dtbook.metrics import read_metrics
 
 NEEDS_TWO_GPUS = "not measured: needs ≥ 2 GPUs"
-NO_SCRIPT_RUNS = "not run: runs.jsonl records no companion script (made before gpu_results.py ran them all)"
+NO_SCRIPT_RUNS = "not run: runs.jsonl records no companion script (the every-script stage did not exist then)"
 # The precision table's modes, in the order a reader turns them on.
 MODES = ["fp32", "tf32", "bf16", "bf16+compile"]
 # gpu_scale_probe.py's headings in its log, as the model sizes of dtbook.model.

@@ -106,7 +106,8 @@ class GPT(nn.Module):
 def at_least_float32(logits: torch.Tensor) -> torch.Tensor:
     """bf16 or fp16 logits as float32 for the loss (their softmax would lose bits), float32
     and float64 as they are: a float64 model computes its loss in float64."""
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # Decided in Python: torch.promote_types is itself an ATen op, and 1.2 lists the ops that ran.
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
 
 def without_key_bias(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

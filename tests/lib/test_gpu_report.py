@@ -164,7 +164,8 @@ def test_a_run_writes_a_folder_that_renders_as_the_recorded_one(pretend_h100, tm
 def test_a_spent_budget_skips_runs_and_says_so(pretend_h100, tmp_path, monkeypatch):
     clock = iter(range(0, 10**6, 100))  # every look at the clock: 100 s later
     monkeypatch.setattr(pretend_h100.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr(sys, "argv", ["gpu_results.py", "--out", str(tmp_path / "run"), "--budget-s", "450"])
+    monkeypatch.setattr(sys, "argv", ["gpu_results.py", "--out", str(tmp_path / "run"), "--budget-s", "450",
+                                      "--scripts-budget-s", "60"])
     pretend_h100.main()
     statuses = [r["status"] for r in read_metrics(tmp_path / "run" / "runs.jsonl")]
     skipped = [r for r in read_metrics(tmp_path / "run" / "precision.jsonl") if "error" in r]

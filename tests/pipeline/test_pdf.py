@@ -101,7 +101,7 @@ def text(printed):
 def test_the_pdf_prints_nothing_cut(printed):
     """Nothing is wider than the paper: code and outputs wrap, and no table or image runs off it."""
     done = printed[0]
-    assert "warning" not in done.stderr, done.stderr
+    assert "build_pdf: warning" not in done.stderr, done.stderr
     assert "The PDF is at" in done.stdout
 
 

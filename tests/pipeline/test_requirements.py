@@ -90,7 +90,9 @@ def pins_for(version: str, text: str = LOCK) -> dict[str, Version]:
     for line in lines_for(text, version):
         (spec,) = line.specifier
         assert spec.operator == "==", f"the lock pins every package with ==: {line}"
-        pins[canonicalize_name(line.name)] = Version(spec.version)
+        name = canonicalize_name(line.name)
+        assert name not in pins, f"two lines pin {name} on Python {version}: their markers overlap"
+        pins[name] = Version(spec.version)
     return pins
 
 
