@@ -74,8 +74,8 @@ def gpipe_step(stage: Stage, micro: list[tuple[torch.Tensor, torch.Tensor]],
 
     ``drop`` leaves out one send, the bug --drop-send reproduces."""
     rank, m = dist.get_rank(), len(micro)
-    # Receive on the stage's device, in its parameters' dtype (under autocast the
-    # activations would be bf16: torch's PipelineStage infers shape and dtype instead).
+    # Receive on the stage's device, in its parameters' dtype (under autocast
+    # activations are bf16: torch's PipelineStage infers shape and dtype instead).
     weight = next(stage.parameters())
     inputs, outputs, losses = [], [], []
     for i, (x, y) in enumerate(micro):
