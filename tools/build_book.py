@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from dtbook.launch import LAUNCH_LOG_VARIABLE  # each launch appends the script's name to this file
+from dtbook.plots import DOWNLOADS_DIR  # the files pages offer for download
 
 REPO = Path(__file__).resolve().parent.parent
 STAGED_TOP_LEVEL = ["_config.yml", "_toc.yml", "book", "scripts"]  # scripts: for literalinclude listings
@@ -205,7 +206,18 @@ def stage_and_execute(
             stamps_path.write_text(json.dumps(stamps, indent=1))
     if failure:
         raise failure
+    stage_downloads(staging)
     return [report[rel_of(notebook, root)] for notebook in toc_notebooks(root)], not_executed
+
+
+def stage_downloads(staging: Path) -> None:
+    """The files pages offer for download (``dtbook.plots.download_role``), where their roles look.
+
+    A page links a trace as ``/runs/downloads/<name>`` instead of inlining it; Sphinx copies each
+    linked file beside the HTML, and fails the build (``-W``) on one that is missing.
+    """
+    if DOWNLOADS_DIR.is_dir():
+        shutil.copytree(DOWNLOADS_DIR, staging / "runs" / "downloads", dirs_exist_ok=True)
 
 
 def stage_unexecuted(notebook: Path, target: Path, reason: str) -> None:

@@ -116,13 +116,21 @@ class _Links(HTMLParser):
         super().__init__()
         self.images: list[str] = []
         self.title = ""
+        self.unresolved: list[str] = []  # the classes of a cross-reference Sphinx left unlinked
         self._in_title = False
+        self._links_open = 0
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         if tag == "img" and attrs.get("src"):
             self.images.append(attrs["src"])
         self._in_title = tag == "title"
+        self._links_open += tag == "a"
+        # A {ref} or {doc} Sphinx resolves becomes <a ...><span class="std std-ref">; one it cannot
+        # stays a bare <span class="xref std std-ref"> (what -W turns into a failed build).
+        classes = (attrs.get("class") or "").split()
+        if tag == "span" and "xref" in classes and not self._links_open:
+            self.unresolved.append(" ".join(classes))
 
     def handle_data(self, data):
         if self._in_title:
@@ -131,10 +139,13 @@ class _Links(HTMLParser):
     def handle_endtag(self, tag):
         if tag == "title":
             self._in_title = False
+        if tag == "a" and self._links_open:
+            self._links_open -= 1
 
 
 def html_problems(html_dir: Path, entries: list[str]) -> list[str]:
-    """Every table-of-contents entry has a page, and every local image a page shows exists."""
+    """Every table-of-contents entry has a page, every local image a page shows exists, and every
+    cross-reference ({ref}, {doc}) resolved to a link."""
     problems = []
     for entry in entries:
         page = html_dir / f"{entry}.html"
@@ -145,6 +156,8 @@ def html_problems(html_dir: Path, entries: list[str]) -> list[str]:
         parser.feed(page.read_text())
         if not parser.title.strip():
             problems.append(f"{page}: page has no title")
+        for classes in parser.unresolved:
+            problems.append(f"{page}: a cross-reference ({classes}) did not resolve to a link")
         for src in parser.images:
             url = urlparse(src)
             if url.scheme in ("http", "https", "data"):
@@ -256,3 +269,148 @@ def listing_problems(page: Path, width: int = LISTING_WIDTH) -> list[str]:
                 shown = text.splitlines()
             check(f"cell {number} {target.name}:{options.get('pyobject', '')}", shown)
     return problems
+
+
+# --- Claims and cross-references in prose ----------------------------------------------------
+#
+# A sentence that says something is asserted (or checked, measured, shown ... below/above) names
+# the cell it means with a MyST reference, {ref}`text <label>`, and the label is a target
+# ``(label)=`` on the last line of the markdown cell right before that code cell. A claim of an
+# assert (asserted, checked, verified, tested) needs an ``assert`` in that cell. Pages refer to
+# each other with {doc}/{ref} links that the build resolves, never with a typed section number,
+# which a renumbering silently leaves stale. Chapter numbers are fixed, so "chapter 3" may stay.
+
+# A fenced block: code, or a directive whose body may be prose ({note}) or options (:caption:).
+_FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})([^\n]*)\n(.*?)^[ \t]*\1[ \t]*$", re.S | re.M)
+_CODE_DIRECTIVES = ("{code", "{literalinclude", "{math", "{mermaid", "{raw")
+# Scanned left to right in one pass, so a role's backticks ({doc}`...`) never pair with a code
+# span's: the role is kept (its text is prose and its target is what _REF reads), the rest goes.
+_INLINE = re.compile(r"(\{[\w:.-]+\}`[^`]*`)|(`+).+?\2|\$\$.+?\$\$|\$[^$\n]+\$", re.S)
+_CELL_TARGET = re.compile(r"\(([A-Za-z0-9_-]+)\)=\s*\Z")
+_REF = re.compile(r"\{ref\}`(?:[^`<]*<)?([A-Za-z0-9_-]+)>?`")
+_BARE_REF = re.compile(r"\{ref\}`([A-Za-z0-9_-]+)`")  # {ref}`label`: Sphinx takes its text from the target
+_ASSERT_CLAIM = re.compile(
+    r"\bassert(?:ed|s|ing)?\b|\bassertions?\s+(?:below|above)\b"          # "the assertions below"
+    r"|\b(?:checked|verified|tested)\s+(?:below|above|in\s+the\s+(?:next\s+|following\s+)?cell)\b"
+    r"|\b(?:next|following|previous)\s+cell\s+(?:checks|verifies|tests)\b", re.I)
+_SHOW_CLAIM = re.compile(r"\b(?:measured|shown)\s+(?:below|above)\b", re.I)
+_SECTION_NUMBER = r"[1-8]\.[1-9](?![\d])"
+_NOT_A_SECTION = r"\s*(?:times|[mµ]?s|seconds?|[KMGT]i?B)\b"  # "a ratio of 1.5 times", "in 2.5 s"
+_SECTION_LIST = rf"{_SECTION_NUMBER}(?:\s*(?:,|;|–|-|and|to)\s*{_SECTION_NUMBER})*"
+_TYPED_REFERENCE = re.compile(
+    r"\bsections?\s+\d|\bsecs?\.\s*\d"                                  # "section 5", "Sec. 3.8"
+    r"|§\s*\d"                                                              # "§3.8"
+    rf"|\(\s*{_SECTION_LIST}\s*\)"                                          # "(8.1, 8.2)", "(3.8–4.1)"
+    rf"|\*\*{_SECTION_NUMBER}\*\*|\[{_SECTION_NUMBER}\]"                      # "**3.8**", "[3.8](...)"
+    rf"|\b(?:in|see|of|from|as in|like|cf\.?|on|at|pages?|chapters?)\s+{_SECTION_LIST}"
+    rf"(?![×x%\w]|{_NOT_A_SECTION})"                                          # "in 3.8", "See 3.8"
+    rf"|(?:^|(?<=[.!?:]\s))\s*{_SECTION_NUMBER}(?!{_NOT_A_SECTION})\s+[a-z]",   # "3.8 shows" at a start
+    re.I | re.M)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z*(\[])|\n\s*\n|\n\s*[-*|]\s|\n\s*\d+\.\s")
+
+
+def _directive_body(fence: re.Match) -> str:
+    """What a fenced block leaves as prose: an admonition's body, without its ``:option:`` lines."""
+    info = fence.group(2).strip()
+    if not info.startswith("{") or info.startswith(_CODE_DIRECTIVES):
+        return "\n\n"
+    body = [line for line in fence.group(3).splitlines() if not re.match(r"\s*:[\w-]+:", line)]
+    return "\n\n" + "\n".join(body) + "\n\n"
+
+
+def _prose(markdown: str) -> str:
+    """Markdown without code blocks, code spans and math, where words are not the book's prose."""
+    return _INLINE.sub(lambda m: m.group(1) or " ", _FENCE.sub(_directive_body, markdown))
+
+
+def _cells(notebook: Path) -> list[dict]:
+    return json.loads(notebook.read_text()).get("cells", [])
+
+
+def cell_labels(notebook: Path) -> dict[str, str]:
+    """{label: source of the code cell it labels} for every ``(label)=`` target before a code cell."""
+    cells = _cells(notebook)
+    labels = {}
+    for cell, following in zip(cells, cells[1:], strict=False):
+        match = _CELL_TARGET.search("".join(cell.get("source", "")))
+        if cell.get("cell_type") == "markdown" and match and following.get("cell_type") == "code":
+            labels[match.group(1)] = "".join(following.get("source", ""))
+    return labels
+
+
+def claim_problems(notebook: Path, labels: dict[str, str] | None = None) -> list[str]:
+    """Every claim that a cell asserts or shows something names that cell, and the cell does it.
+
+    ``labels`` are the book's cell labels (``cell_labels`` over every notebook), so a page may
+    point at a cell on another page; by default the notebook's own.
+    """
+    if notebook.suffix != ".ipynb":  # a page of book/: its text is one markdown cell
+        texts, labels = [(0, notebook.read_text())], labels or {}
+    else:
+        labels = cell_labels(notebook) if labels is None else labels
+        texts = [(i, "".join(c.get("source", ""))) for i, c in enumerate(_cells(notebook))
+                 if c.get("cell_type") == "markdown"]
+    problems = []
+    for i, text in texts:
+        # A code cell has no title for Sphinx to print, so a bare {ref} to its label fails the
+        # build ("a title or caption not found"): the link must bring its own text.
+        for label in _BARE_REF.findall(_prose(text)):
+            if label in labels:
+                problems.append(f"{notebook}: markdown cell {i}: {{ref}}`{label}` points at a code "
+                                f"cell, which has no title; write {{ref}}`some text <{label}>`")
+        for sentence in _SENTENCE_END.split(_prose(text)):
+            asserts, shows = _ASSERT_CLAIM.search(sentence), _SHOW_CLAIM.search(sentence)
+            if not (asserts or shows):
+                continue
+            words = " ".join(sentence.split())[:90]
+            refs = _REF.findall(sentence)
+            named = [label for label in refs if label in labels]
+            if not named:
+                problems.append(f"{notebook}: markdown cell {i}: \"{words}\" claims a cell "
+                                f"{'asserts' if asserts else 'shows'} it but names none with "
+                                "{ref}`text <label>` (a (label)= target right before the cell)")
+            elif asserts and not any(re.search(r"^\s*assert\b|\bassert_\w+\(", labels[label], re.M)
+                                     for label in named):
+                problems.append(f"{notebook}: markdown cell {i}: \"{words}\" says asserted, but the "
+                                f"cell{'s' if len(named) > 1 else ''} {', '.join(named)} hold no assert")
+    return problems
+
+
+def typed_reference_problems(page: Path) -> list[str]:
+    """A typed section number ("section 5", "(8.1, 8.2)", "in 3.8") instead of a {doc} link."""
+    if page.suffix == ".ipynb":
+        texts = [(f"markdown cell {i}", "".join(c.get("source", "")))
+                 for i, c in enumerate(_cells(page)) if c.get("cell_type") == "markdown"]
+    else:
+        texts = [("text", page.read_text())]
+    problems = []
+    for where, text in texts:
+        for match in _TYPED_REFERENCE.finditer(_prose(text)):
+            problems.append(f"{page}: {where}: typed section number {match.group(0)!r}; "
+                            "link the page with {doc}`../chN_x/NN_page` instead")
+    return problems
+
+
+def prose_problems(pages: list[Path], root: Path) -> list[str]:
+    """Claims and typed references on ``pages``, with cell labels taken from every notebook."""
+    labels: dict[str, str] = {}
+    problems = []
+    seen: dict[str, Path] = {}
+    for notebook in sorted((root / "notebooks").rglob("*.ipynb")):
+        for label in cell_labels(notebook):
+            if label in seen:  # Sphinx would link one of the two; the check would read the other
+                problems.append(f"{notebook}: cell label {label!r} is also set in {seen[label]}")
+            seen[label] = notebook
+        labels.update(cell_labels(notebook))
+    for page in pages:
+        problems += typed_reference_problems(page)
+        problems += claim_problems(page, labels)
+    return problems
+
+
+if __name__ == "__main__":  # python tools/check_book.py notebooks/ch3_ddp/*.ipynb: the prose checks
+    import sys
+
+    found = prose_problems([Path(p) for p in sys.argv[1:]], Path(__file__).resolve().parents[1])
+    print("\n".join(found) or "no problems")
+    sys.exit(1 if found else 0)

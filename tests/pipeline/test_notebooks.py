@@ -5,7 +5,7 @@ import json
 import pytest
 
 from build_book import BuildError, resolve_entry, toc_entries, toc_notebooks
-from check_book import executed_problems, html_problems, source_problems
+from check_book import executed_problems, html_problems, prose_problems, source_problems
 from support import REPO
 
 NOTEBOOKS = sorted(p for p in (REPO / "notebooks").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
@@ -53,3 +53,11 @@ def test_first_program_page_shows_its_executed_output(book):
     page = (book / "_build" / "html" / "notebooks/ch2_first_steps/01_first_distributed_program.html").read_text()
     assert "all_reduce result on every rank" in page  # printed by an executed cell, not typed in the prose
     assert "ran on: gloo" in page or "ran on: nccl" in page  # the provenance line under the run
+
+
+PAGES = NOTEBOOKS + sorted((REPO / "book").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_prose_names_the_cells_it_claims_and_links_the_pages_it_cites(page):
+    assert prose_problems([page], REPO) == []

@@ -6,19 +6,28 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from check_book import executed_problems, html_problems, source_problems
+from check_book import (
+    claim_problems,
+    executed_problems,
+    html_problems,
+    prose_problems,
+    source_problems,
+    typed_reference_problems,
+)
 from support import REPO
 
 KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
 
 
 def write_notebook(path, *code, kernel=KERNEL, parameters=True):
+    """A page of code cells; a cell made with new_markdown_cell (or any cell) goes in as it is."""
     cells = [new_markdown_cell("# A page")]
     if parameters:
         cells.append(new_code_cell("STEPS = 10", metadata={"tags": ["parameters", "hide-input"]}))
-    cells += [new_code_cell(c, metadata={"tags": ["hide-input"]} if i == 0 else {})
+    cells += [c if isinstance(c, dict) else new_code_cell(c, metadata={"tags": ["hide-input"]} if i == 0 else {})
               for i, c in enumerate(code)]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(new_notebook(cells=cells, metadata=kernel), str(path))
@@ -142,6 +151,133 @@ def test_html_check_finds_missing_pages_and_images(tmp_path):
     assert len(problems) == 2
     assert any("missing.png" in p for p in problems)
     assert any("book/setup" in p for p in problems)
+
+
+def test_html_check_finds_a_cross_reference_that_did_not_resolve(tmp_path):
+    # What Sphinx writes for {ref}`its cell <label>` when the label exists, and when it does not
+    # (jupyter-book build without -W; tools/build_book.py passes --warningiserror --nitpick).
+    linked = '<a class="reference internal" href="a.html#ch9-1-x"><span class="std std-ref">its cell</span></a>'
+    (tmp_path / "a.html").write_text(f"<html><head><title>A</title></head><body>{linked}</body></html>")
+    (tmp_path / "b.html").write_text('<html><head><title>B</title></head><body>'
+                                     '<span class="xref std std-ref">its cell</span></body></html>')
+    assert html_problems(tmp_path, ["a"]) == []
+    problems = html_problems(tmp_path, ["a", "b"])
+    assert len(problems) == 1 and "b.html" in problems[0] and "did not resolve" in problems[0]
+
+
+# --- prose checks: claims name their cell, pages link the pages they cite ---------------------
+
+ASSERTING = "x = 2\nassert x == 2"
+PRINTING = "x = 2\nprint(x)"
+
+
+def test_claim_check_finds_an_asserted_below_that_names_no_cell(tmp_path):
+    page = write_notebook(tmp_path / "p.ipynb", new_markdown_cell("Two equals two (asserted below)."), ASSERTING)
+    problems = claim_problems(page)
+    assert len(problems) == 1 and "names none" in problems[0]
+
+
+def test_claim_check_finds_a_named_cell_that_asserts_nothing(tmp_path):
+    page = write_notebook(tmp_path / "p.ipynb", new_markdown_cell(
+        "Two equals two (asserted in {ref}`the cell below <ch9-1-two>`).\n\n(ch9-1-two)="), PRINTING)
+    problems = claim_problems(page)
+    assert len(problems) == 1 and "hold no assert" in problems[0]
+
+
+def test_claim_check_accepts_a_claim_that_names_an_asserting_cell(tmp_path):
+    # The control of the two tests above: the same page, labelled, with the assert.
+    page = write_notebook(tmp_path / "p.ipynb", new_markdown_cell(
+        "Two equals two (asserted in {ref}`the cell below <ch9-1-two>`, with `x == 2`).\n\n(ch9-1-two)="),
+        ASSERTING, new_markdown_cell("The loss is measured below in {ref}`the same cell <ch9-1-two>`."))
+    assert claim_problems(page) == []
+
+
+def test_claim_check_finds_a_bare_reference_to_a_cell_label(tmp_path):
+    # A code cell has no title, so Sphinx cannot make a bare {ref}`label` to it a link: the HTML
+    # build fails. The same reference with its own text is the control, and passes.
+    bare = write_notebook(tmp_path / "bare.ipynb", new_markdown_cell("The check:\n\n(ch9-1-two)="), ASSERTING,
+                          new_markdown_cell("See {ref}`ch9-1-two` for the check."))
+    problems = claim_problems(bare)
+    assert len(problems) == 1 and "has no title" in problems[0]
+    texted = write_notebook(tmp_path / "texted.ipynb", new_markdown_cell("The check:\n\n(ch9-1-two)="), ASSERTING,
+                            new_markdown_cell("See {ref}`the check <ch9-1-two>`."))
+    assert claim_problems(texted) == []
+
+
+def test_claim_check_resolves_a_label_on_another_page(tmp_path):
+    write_notebook(tmp_path / "notebooks" / "ch9" / "01_a.ipynb",
+                   new_markdown_cell("The check:\n\n(ch9-1-two)="), ASSERTING)
+    citing = write_notebook(tmp_path / "notebooks" / "ch9" / "02_b.ipynb", new_markdown_cell(
+        "The previous page asserts that two equals two ({ref}`its cell <ch9-1-two>`)."))
+    assert prose_problems([citing], tmp_path) == []
+    assert len(claim_problems(citing)) == 1  # control: the page's own labels alone do not have it
+
+
+@pytest.mark.parametrize("claim", [
+    "The assertions below check both.",
+    "This is checked in the next cell.",
+    "The next cell checks both.",
+    "Both are verified below.",
+])
+def test_claim_check_finds_other_words_for_a_claimed_check(tmp_path, claim):
+    page = write_notebook(tmp_path / "p.ipynb", new_markdown_cell(claim), ASSERTING)
+    assert len(claim_problems(page)) == 1, claim
+
+
+def test_claim_check_reads_the_pages_of_book_and_finds_a_label_set_twice(tmp_path):
+    (tmp_path / "book").mkdir()
+    page = tmp_path / "book" / "intro.md"
+    page.write_text("# Intro\n\nEvery page asserts below what it says.\n")
+    assert len(claim_problems(page)) == 1
+    for name in ("01_a", "02_b"):
+        write_notebook(tmp_path / "notebooks" / "ch9" / f"{name}.ipynb",
+                       new_markdown_cell("The check:\n\n(ch9-1-two)="), ASSERTING)
+    page.write_text("# Intro\n\nNothing is claimed here.\n")
+    problems = prose_problems([page], tmp_path)
+    assert len(problems) == 1 and "also set in" in problems[0]
+
+
+@pytest.mark.parametrize("text", [
+    "Checkpoints are in section 3.8.",
+    "Tensor parallelism (8.1, 8.2) splits every layer.",
+    "As chapter 3, section 6 measured, the overlap is partial.",
+    "The control runs in 3.8.",
+    "In 3.8 the control runs.",
+    "See 3.8 for the control.",
+    "3.8 shows the control.",
+    "Sec. 3.8 shows the control.",
+    "The controls (3.8; 4.1) agree.",
+    "The controls (3.8–4.1) agree.",
+    "The control is on page **3.8**.",
+    "The control is [3.8](../ch3_ddp/08_checkpointing_and_resuming.ipynb).",
+    "The control is in sections 4.2-4.4.",
+    "```{note}\nSee section 3.8.\n```",
+    "{doc}`../ch3_ddp/01_how_ddp_works` and, in 3.8, `torch.save`.",  # a role's backticks pair with no code span
+])
+def test_typed_reference_check_finds_a_typed_section_number(tmp_path, text):
+    page = tmp_path / "page.md"
+    page.write_text(f"# A page\n\n{text}\n")
+    assert len(typed_reference_problems(page)) == 1, text
+
+
+@pytest.mark.parametrize("text", [
+    "torch 2.13 picks the kernel, and Lightning 2.6 wraps it.",
+    "FSDP takes 1.5 times DDP's step, a ratio of 1.5 times at most; the share is 0.79.",
+    "2.5 s pass. 1.5 times DDP is the rule. The run took 3.2 ms.",
+    "The script calls `section 3.8` and `see 8.1`; the formula is $t = 8.1 \\cdot b$.",
+    "```python\nprint('see section 3.8')\n```",
+    "Chapter 3 and chapter 5 run it; {doc}`../ch3_ddp/08_checkpointing_and_resuming` saves it.",
+])
+def test_typed_reference_check_leaves_versions_ratios_code_and_math_alone(tmp_path, text):
+    page = tmp_path / "page.md"
+    page.write_text(f"# A page\n\n{text}\n")
+    assert typed_reference_problems(page) == [], text
+
+
+def test_typed_reference_check_reads_the_markdown_cells_of_a_notebook(tmp_path):
+    page = write_notebook(tmp_path / "p.ipynb", new_markdown_cell("See section 3.8."), "x = 'section 3.8'")
+    problems = typed_reference_problems(page)
+    assert len(problems) == 1 and "markdown cell 2" in problems[0]
 
 
 # --- the builder ----------------------------------------------------------------------------
