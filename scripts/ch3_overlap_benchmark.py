@@ -8,18 +8,23 @@ For ch3_train.py's step (same model, batch and optimizer), per bucket size:
   T_ddp    a normal DDP step: forward, backward with the bucket all-reduces, optimizer step
   T_local  the same step with communication skipped: forward and backward inside no_sync()
   T_comm   the all-reduces alone: buckets of the sizes DDP chose, all-reduced with nothing else running
+  waited   inside each DDP step: from backward's last gradient until the gradients are averaged
 
-  exposed = (T_ddp - T_local) / T_comm
+  exposed = waited / T_comm                        (dtbook.exposed: the book's measure)
+  first look = (T_ddp - T_local) / T_comm          (the same question by subtraction)
 
 0 means the all-reduces are completely hidden behind the backward pass, 1 that they run after it as if
 there were no overlap at all. The three take turns, step by step, so that changes in background load
 hit them alike; a step is timed from a common start on all ranks to the end of its slowest rank. Each
-timing is the median over --steps steps, then over --repeats rounds. The default bucket size is
-ch3_train.py's (25 MiB); "--bucket-cap-mb default" leaves DDP's own layout (no bucket_cap_mb argument).
+timing is the median of the --steps x --repeats steps, with its quartiles. The exposed fraction comes
+with the 95% bootstrap interval of its ratio of medians over the paired steps, or '-' where there is
+none (one process; CUDA, where the host clock does not see the wait; fewer than 8 steps; T_comm
+unstable; an interval wider than 0.5: see dtbook.exposed). The first look carries its three terms'
+quartiles' worst cases. The default bucket size is ch3_train.py's (25 MiB);
+"--bucket-cap-mb default" leaves DDP's own layout (no bucket_cap_mb argument).
 """
 
 import argparse
-import statistics
 import time
 from functools import partial
 from itertools import cycle
@@ -38,7 +43,9 @@ from dtbook.distributed import (
     require_gpu_for,
     start_process_group,
 )
+from dtbook.exposed import exposed_fraction, first_look, short
 from dtbook.model import GPT, MODEL_SIZES
+from dtbook.timing import LastGradientClock, spread, time_in_turns, waited_ms
 
 
 def bucket_cap(text: str) -> float | None:
@@ -62,34 +69,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def step_times_ms(functions: dict, args, device) -> dict:
-    """Wall times of each function, called in turn --steps times after --warmup untimed turns.
-
-    Every call starts on all ranks at once (an untimed barrier) and lasts until the slowest rank is
-    done, as a synchronized training step does. Taking turns exposes all three measurements to the
-    same background load, which on a shared machine changes from one second to the next.
-    """
-    for _ in range(args.warmup):
-        for fn in functions.values():
-            fn()
-    times = {name: [] for name in functions}
-    for _ in range(args.steps):
-        for name, fn in functions.items():
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[name].append((time.perf_counter() - start) * 1000)
-    slowest = {}
-    for name, ms in times.items():
-        per_step = torch.tensor(ms, device=device)
-        dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
-        slowest[name] = per_step.tolist()
-    return slowest
-
-
-def train_step(ddp, optimizer, data, skip_communication: bool) -> None:
+def train_step(ddp, optimizer, data, skip_communication: bool, waits: list | None = None,
+               clock: LastGradientClock | None = None) -> None:
     x, y = next(data)
     if skip_communication:
         # Gradients stay local: no bucket is all-reduced. The replicas drift apart, which
@@ -97,7 +78,9 @@ def train_step(ddp, optimizer, data, skip_communication: bool) -> None:
         with ddp.no_sync():
             ddp(x, y).backward()
     else:
-        ddp(x, y).backward()
+        ddp(x, y).backward()  # returns once every bucket's average is in .grad
+        if waits is not None:  # the wait no computation hid, from the last gradient on
+            waits.append(time.perf_counter() - clock.at)
     optimizer.step()
     optimizer.zero_grad()
 
@@ -110,7 +93,7 @@ def all_reduce_buckets(buffers) -> None:
 
 
 def measure(args, cap, batches, device) -> dict:
-    """T_ddp, T_local and T_comm for one bucket size."""
+    """T_ddp, T_local, T_comm and waited at one bucket cap, every round's steps."""
     torch.manual_seed(args.seed)
     model = GPT(MODEL_SIZES[args.model]).to(device)
     ddp = DDP(model, device_ids=ddp_device_ids(device),
@@ -125,18 +108,32 @@ def measure(args, cap, batches, device) -> dict:
     # fp32: 4 bytes per element
     buffers = [torch.randn(n // 4, device=device) for n in bucket_bytes]
 
-    functions = {"ddp": partial(train_step, ddp, optimizer, data, False),
-                 "local": partial(train_step, ddp, optimizer, data, True),
-                 "comm": partial(all_reduce_buckets, buffers)}
-    medians = {name: [] for name in functions}
+    clock = LastGradientClock(ddp.module)
+    samples = {"ddp": [], "local": [], "comm": [], "waited": []}
     for _ in range(args.repeats):
-        for name, ms in step_times_ms(functions, args, device).items():
-            medians[name].append(statistics.median(ms))
-    t_ddp, t_local, t_comm = (statistics.median(medians[name]) for name in functions)
-    return {"bucket_cap_mb": cap, "buckets": len(bucket_bytes),
-            "gradient_mb": sum(bucket_bytes) / 2**20,
-            "t_ddp_ms": t_ddp, "t_local_ms": t_local, "t_comm_ms": t_comm,
-            "exposed_fraction": (t_ddp - t_local) / t_comm}
+        waits = []
+        functions = {"ddp": partial(train_step, ddp, optimizer, data, False, waits,
+                                    clock),
+                     "local": partial(train_step, ddp, optimizer, data, True),
+                     "comm": partial(all_reduce_buckets, buffers)}
+        times = time_in_turns(functions, args.steps, args.warmup, device)
+        for name, ms in times.items():
+            samples[name] += ms
+        samples["waited"] += waited_ms(waits, args.warmup, device)
+    t = {name: spread(ms) for name, ms in samples.items()}
+    row = {"bucket_cap_mb": cap, "buckets": len(bucket_bytes),
+           "gradient_mb": sum(bucket_bytes) / 2**20}
+    for name, s in t.items():
+        key = name if name == "waited" else f"t_{name}"
+        row.update({f"{key}_ms": s["median"], f"{key}_p25_ms": s["p25"],
+                    f"{key}_p75_ms": s["p75"], f"{key}_samples_ms": samples[name]})
+    # on CUDA the host clock does not see the wait (dtbook.exposed): the
+    # fraction is refused
+    row["exposed"] = exposed_fraction(samples["waited"], samples["comm"],
+                                      dist.get_world_size(),
+                                      host_timed=device.type != "cuda")
+    row["first_look"] = first_look(t["ddp"], t["local"], t["comm"])
+    return row
 
 
 def main() -> None:
@@ -161,13 +158,15 @@ def main() -> None:
 
     if rank == 0:
         print(f"{args.model} model, batch {args.batch_size} per process, {world_size} process(es), {backend} on "
-              f"{device.type}; medians of {args.steps} steps x {args.repeats} rounds")
-        print(f"{'bucket_cap_mb':>13} {'buckets':>7} {'grad MiB':>8} {'T_ddp ms':>9} {'T_local ms':>10} "
-              f"{'T_comm ms':>9} {'exposed (T_ddp-T_local)/T_comm':>30}")
+              f"{device.type}; medians of {args.steps} steps x {args.repeats} rounds; fractions: (p25-p75)")
+        print(f"{'bucket_cap_mb':>13} {'buckets':>7} {'T_ddp ms':>9} {'T_local ms':>10} {'T_comm ms':>9} "
+              f"{'waited ms':>9} {'exposed waited/T_comm':>22} {'first look (T_ddp-T_local)/T_comm':>34}")
         for r in rows:
             cap = "default" if r["bucket_cap_mb"] is None else f"{r['bucket_cap_mb']:g}"
-            print(f"{cap:>13} {r['buckets']:>7} {r['gradient_mb']:>8.2f} {r['t_ddp_ms']:>9.2f} "
-                  f"{r['t_local_ms']:>10.2f} {r['t_comm_ms']:>9.2f} {r['exposed_fraction']:>30.2f}")
+            look = r["first_look"]
+            print(f"{cap:>13} {r['buckets']:>7} {r['t_ddp_ms']:>9.2f} {r['t_local_ms']:>10.2f} "
+                  f"{r['t_comm_ms']:>9.2f} {r['waited_ms']:>9.2f} {short(r['exposed']):>22} "
+                  f"{look['fraction']:>14.2f} ({look['low']:.2f}-{look['high']:.2f})")
     metrics.close()
     drain_gloo_workers()
     dist.destroy_process_group()

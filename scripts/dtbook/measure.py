@@ -7,11 +7,13 @@ while the bytes of the tensors a step holds are exact and the same on every run 
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -183,18 +185,25 @@ class LiveStoragePeak(TorchDispatchMode):
         with LiveStoragePeak() as live:
             model(x, y).backward()
         live.peak_bytes
+        live.bytes_at_peak(model.parameters())  # what part of the peak those tensors were
 
     A second, independent way to measure a step's peak: every ATen op's outputs are
     recorded with a weak reference to their storage, and a storage counts from the op
-    that created it until its last tensor dies. Tensors made before the mode entered
-    (the parameters) are not counted, nor a kernel's scratch memory. It shares no code
-    with MemTracker, so a figure both report is not an artifact of either.
+    that first returned it until its last tensor dies. A storage is counted whoever
+    allocated it: a tensor made before the mode entered (a parameter) is not counted
+    by itself, but an op that returns a view of it (``aten.t`` of a Linear weight, the
+    transposed weight of a tied head; ``aten.detach`` of the layer-norm weights and biases
+    that a checkpoint recomputation saves) returns its storage, which then counts in full.
+    A parameter that ops only read (an embedding table, a bias added by ``addmm``) does not.
+    A kernel's scratch memory is not counted. It shares no code with MemTracker, so a
+    figure both report is not an artifact of either.
     """
 
     def __init__(self):
         super().__init__()
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak_bytes = 0
+        self._at_peak: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -206,8 +215,20 @@ class LiveStoragePeak(TorchDispatchMode):
                 if ref.cdata not in self.live:
                     self.live[ref.cdata] = (ref, tensor.untyped_storage().nbytes())
         now = sum(size for _, size in self.live.values())
-        self.peak_bytes = max(self.peak_bytes, now)
+        if now > self.peak_bytes:
+            self.peak_bytes = now
+            self._at_peak = {k: size for k, (_, size) in self.live.items()}
         return out
+
+    def bytes_at_peak(self, tensors) -> int:
+        """The bytes of ``tensors``' storages (each once) that the peak counted."""
+        keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors}
+        return sum(size for k, size in self._at_peak.items() if k in keys)
+
+    def tensors_at_peak(self, named: dict[str, torch.Tensor]) -> list[str]:
+        """The names in ``named`` whose storage the peak counted."""
+        return [name for name, t in named.items()
+                if StorageWeakRef(t.untyped_storage()).cdata in self._at_peak]
 
 
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device, warmup: int = 1) -> float:
@@ -230,3 +251,14 @@ def median_ms(fn: Callable[[], object], repeats: int, device: torch.device, warm
         sync()
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
+
+
+def page_faults_per_call(fn, calls: int = 3) -> float:
+    """Minor page faults per call of ``fn`` in this process (its threads included, gloo's
+    workers too): the pages of fresh memory a call touches. One warm-up call first."""
+    fn()
+    dist.barrier()  # every rank counts the same calls
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls

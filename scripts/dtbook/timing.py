@@ -7,12 +7,13 @@ configurations under comparison in turn, step by step, exposes them all to the s
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from dtbook.exposed import spread  # noqa: F401  (re-exported: a timing with its spread)
 
 
 def time_in_turns(functions: dict[str, Callable[[], object]], steps: int, warmup: int,
@@ -40,12 +41,6 @@ def time_in_turns(functions: dict[str, Callable[[], object]], steps: int, warmup
         dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
         slowest[name] = per_call.tolist()
     return slowest
-
-
-def spread(ms: list[float]) -> dict:
-    """The median of step times and their quartiles: a timing is printed with its spread."""
-    p25, _, p75 = statistics.quantiles(ms, n=4) if len(ms) > 1 else ms * 3
-    return {"median": statistics.median(ms), "p25": p25, "p75": p75}
 
 
 class LastGradientClock:
