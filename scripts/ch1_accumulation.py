@@ -13,7 +13,11 @@ loss must be multiplied by. They are the same only when every micro-batch has th
               whole batch in one pass: equal micro-batches weighted 1/k, unequal ones weighted 1/k
               (the classic bug) and n_i/N, and a short last group at the end of an epoch divided by
               the planned --accum-steps (the bug) or weighted n_i/N
-2. training   --train-steps optimizer steps with the whole batch and with accumulation: the loss
+2. ranks      the same batch split over --ranks data-parallel ranks, simulated in one process:
+              each rank accumulates its share, then the gradients are averaged over the ranks as
+              DDP's all-reduce does; n_i over the rank's own windows is right, n_i over the global
+              batch (the bug) gives a gradient --ranks times too small
+3. training   --train-steps optimizer steps with the whole batch and with accumulation: the loss
               of every step, the bytes saved for backward at once (SavedTensors) and step times
 """
 
@@ -37,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--accum-steps", type=positive_int, default=4, help="micro-batches per optimizer step (default: 4)")
     add("--last-micro-batch", type=positive_int, default=2,
         help="size of the smaller last micro-batch in the unequal split (default: 2)")
+    add("--ranks", type=positive_int, default=2,
+        help="data-parallel ranks simulated in one process (default: 2)")
     add("--train-steps", type=positive_int, default=10, help="optimizer steps of the training run (default: 10)")
     add("--seed", type=int, default=DEFAULTS.seed, help="seeds the corpus and the weights")
     add_backend_and_metrics(parser)
@@ -46,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.last_micro_batch >= args.micro_batch_size:
         parser.error(f"--last-micro-batch ({args.last_micro_batch}) must be smaller than "
                      f"--micro-batch-size ({args.micro_batch_size}) to make the split unequal")
+    if (args.micro_batch_size * args.accum_steps) % args.ranks:
+        parser.error(f"--ranks ({args.ranks}) must divide the batch of "
+                     f"{args.micro_batch_size * args.accum_steps} windows")
     return args
 
 
@@ -106,6 +115,38 @@ def compare_splits(args, model, x, y) -> list[dict]:
     return rows
 
 
+def data_parallel_gradients(model, x, y, ranks: int, micro_batch_size: int,
+                            per_rank: bool) -> list[torch.Tensor]:
+    """``ranks`` data-parallel ranks, simulated one after the other: each accumulates
+    its share of (x, y) in micro-batches, then the gradients are averaged over the
+    ranks, as DDP's all-reduce (a sum, divided by the world size) does.
+
+    ``per_rank``: weight n_i by the rank's own windows; otherwise by the global batch.
+    """
+    per_rank_grads = []
+    for xs, ys in zip(x.chunk(ranks), y.chunk(ranks), strict=True):
+        sizes = [len(micro) for micro in xs.split(micro_batch_size)]
+        windows = sum(sizes) if per_rank else len(x)
+        per_rank_grads.append(accumulated_gradients(model, xs, ys, sizes,
+                                                    [n / windows for n in sizes]))
+    return [torch.stack(g).sum(0) / ranks for g in zip(*per_rank_grads, strict=True)]
+
+
+def compare_data_parallel(args, model, x, y) -> list[dict]:
+    whole = accumulated_gradients(model, x, y, [len(x)], [1.0])
+    rows = []
+    for per_rank, name in ((True, "n_i / N of the rank"), (False, "n_i / N of the global batch")):
+        grads = data_parallel_gradients(model, x, y, args.ranks, args.micro_batch_size, per_rank)
+        rows.append({"case": name, "right": per_rank, "ranks": args.ranks,
+                     "max_abs_difference": max((g - w).abs().max().item()
+                                               for g, w in zip(grads, whole, strict=True)),
+                     "max_abs_gradient": max(w.abs().max().item() for w in whole),
+                     # how many times smaller than the whole batch's gradient
+                     "norm_ratio": (torch.cat([w.flatten() for w in whole]).norm()
+                                    / torch.cat([g.flatten() for g in grads]).norm()).item()})
+    return rows
+
+
 def train(args, cfg, batches, accumulate: bool, device) -> dict:
     """--train-steps AdamW steps on the same batches, whole or as --accum-steps micro-batches."""
     torch.manual_seed(args.seed)
@@ -150,6 +191,12 @@ def main() -> None:
         metrics.write(event="split", **row)
         print(f"{row['case']:<40} {'+'.join(map(str, row['sizes'])):<14} "
               f"{row['max_abs_difference'] / row['max_abs_gradient']:>24.2e}")
+
+    for row in compare_data_parallel(args, model, *batches[0]):
+        metrics.write(event="ranks", **row)
+        print(f"{args.ranks} ranks, {row['case']:<30} max |diff| / max |grad| "
+              f"{row['max_abs_difference'] / row['max_abs_gradient']:.2e}, "
+              f"{row['norm_ratio']:.3f} times too small")
 
     for accumulate in (False, True):
         run = train(args, cfg, batches, accumulate, device)

@@ -14,7 +14,8 @@ q, k and v of shape (batch, heads, sequence, head size).
               by the hand-written attention, SDPA as it chooses, and SDPA held to its MATH backend
 3. backends   SDPA's backends (MATH, FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION), each
               forced with torch.nn.attention.sdpa_kernel on this device: which accept the call, and
-              which kernel SDPA picks by itself
+              which kernel SDPA picks by itself, and the priority order it tries them in
+              (torch._C._get_sdp_priority_order), by default and under set_priority=True
 """
 
 import argparse
@@ -158,6 +159,20 @@ def backends(args, device) -> list[dict]:
     return rows
 
 
+def priority_orders() -> dict[str, list[str]]:
+    """SDPA's backend priority order: the default, under sdpa_kernel(..., set_priority=True),
+    and after that context has exited."""
+    names = {int(getattr(SDPBackend, n)): n for n in dir(SDPBackend) if n.isupper() and n != "ERROR"}
+
+    def order():
+        return [names[i] for i in torch._C._get_sdp_priority_order()]
+
+    default = order()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH], set_priority=True):
+        reordered = order()
+    return {"default": default, "cudnn and math first": reordered, "after": order()}
+
+
 def main() -> None:
     args = parse_args()
     backend, device = start_single_device(args.backend)
@@ -203,6 +218,10 @@ def main() -> None:
         for problem in dict.fromkeys(fails.values()):
             names = ", ".join(b for b, p in fails.items() if p == problem)
             print(f"    {names} fail: {problem}")
+    orders = priority_orders()
+    metrics.write(event="priority", **orders)
+    for name, order in orders.items():
+        print(f"  priority order, {name}: {', '.join(order)}")
     metrics.close()
     drain_gloo_workers()
     dist.destroy_process_group()

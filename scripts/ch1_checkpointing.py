@@ -17,10 +17,15 @@ For each: the activations still held when the forward pass ends and the peak of 
 (MemTracker, which sees tensors outside autograd's nodes, like the selective cache, too), the
 peak again from a second, independent tracker (dtbook.measure.LiveStoragePeak), the FLOPs of
 forward plus backward with the recomputation (FlopCounterMode, in a pass of its own: its module
-tracker keeps recomputed activations alive, which a last pass under both shows), the median step
+tracker keeps recomputed activations alive, which a last pass under both shows; under the MATH
+SDPA backend, because the CPU's default attention kernel is not in its FLOP registry and would
+count 0, which a second FLOP pass under the default backend records), the median step
 time, and the largest gradient difference from the un-checkpointed model. Dropout is on (--dropout), so
 the recomputed forward must replay the same random masks: checkpoint restores the RNG state for
 that, and the control run with preserve_rng_state=False shows what happens when it does not.
+Last, forward passes in eval and training mode, with and without torch.no_grad(), count the
+RNG-state stashes checkpoint makes: the torch.is_grad_enabled() guard in Checkpointed skips
+checkpoint where no backward can follow, and keeps it for a model trained in eval mode.
 """
 
 import argparse
@@ -28,11 +33,13 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -105,6 +112,11 @@ class Checkpointed(nn.Module):
                                                 save_matmuls_and_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Without grad mode no backward can follow: nothing to save memory for.
+        # Not self.training: a model trained in eval mode (no dropout) still
+        # needs checkpoint.
+        if not torch.is_grad_enabled():
+            return self.block(x)
         extra = {"context_fn": self.context_fn} if self.context_fn else {}
         return checkpoint(self.block, x, use_reentrant=False,
                           preserve_rng_state=self.preserve_rng_state, **extra)
@@ -150,10 +162,23 @@ def with_strategy(model: GPT, strategy: str, segments: int,
 # --------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def no_cycle_collection():
+    """Collect garbage first, then keep Python's cycle collector out of the measured step:
+    when it happens to run (it depends on how many objects came before) it frees the
+    reference cycles a mode's hooks leave, and a peak would change from run to run."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def one_step(model: GPT, x, y, seed: int, mode) -> list[torch.Tensor]:
     """Forward and backward under ``mode``, from a fixed RNG state; the gradients."""
     torch.manual_seed(seed)  # the same dropout masks for every strategy and pass
-    with mode:
+    with no_cycle_collection(), mode:
         model(x, y).backward()
     grads = [p.grad.detach().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -171,7 +196,7 @@ def memory_pass(model: GPT, x, y, seed: int, device, flops=None) -> dict:
     tracker = MemTracker()
     tracker.track_external(model)
     torch.manual_seed(seed)
-    with tracker, (flops or contextlib.nullcontext()):
+    with no_cycle_collection(), tracker, (flops or contextlib.nullcontext()):
         loss = model(x, y)
         after_forward = tracker.get_tracker_snapshot()[device]
         loss.backward()
@@ -185,13 +210,52 @@ def memory_pass(model: GPT, x, y, seed: int, device, flops=None) -> dict:
 
 
 def measured_step(model: GPT, x, y, seed: int, device) -> dict:
-    """Memory (MemTracker), memory again (LiveStoragePeak), FLOPs: three passes."""
+    """Memory (MemTracker), memory again (LiveStoragePeak), FLOPs twice: four passes."""
     row = memory_pass(model, x, y, seed, device)
     live = LiveStoragePeak()
     one_step(model, x, y, seed, live)
+    # FlopCounterMode's registry has no formula for the CPU's attention kernel
+    # (_scaled_dot_product_flash_attention_for_cpu) and counts it as 0. Under the MATH
+    # backend attention runs as bmm ops, which it counts.
     flops = FlopCounterMode(display=False)
-    one_step(model, x, y, seed, flops)
-    return row | {"live_peak_bytes": live.peak_bytes, "flops": flops.get_total_flops()}
+    with sdpa_kernel(SDPBackend.MATH):
+        one_step(model, x, y, seed, flops)
+    default_flops = FlopCounterMode(display=False)
+    one_step(model, x, y, seed, default_flops)
+    # Parameters enter LiveStoragePeak's count only through the views ops return of
+    # them; MemTracker counts every parameter (its PARAM).
+    live_parameters = live.bytes_at_peak(model.parameters())
+    live_names = live.tensors_at_peak(dict(model.named_parameters(remove_duplicate=True)))
+    return row | {"live_peak_bytes": live.peak_bytes, "live_peak_parameter_bytes": live_parameters,
+                  "live_peak_parameters": sorted(live_names),
+                  "flops": flops.get_total_flops(),
+                  "flops_default_backend": default_flops.get_total_flops()}
+
+
+def rng_stashes(model: GPT, x, training: bool, grad: bool) -> tuple[int, torch.Tensor]:
+    """How often a forward pass saved the RNG state, and its logits.
+
+    checkpoint stashes the RNG state on every call, grad or no grad, for a recomputation
+    that only a backward pass would run. The ``torch.is_grad_enabled()`` guard in
+    Checkpointed skips it, and checkpoint altogether, under torch.no_grad().
+    """
+    calls = 0
+    get_rng_state = torch.get_rng_state
+
+    def counted():
+        nonlocal calls
+        calls += 1
+        return get_rng_state()
+
+    model.train(training)
+    torch.get_rng_state = counted  # checkpoint calls it through the torch module
+    try:
+        with torch.set_grad_enabled(grad):
+            logits = model(x).detach()
+    finally:
+        torch.get_rng_state = get_rng_state
+        model.train()
+    return calls, logits
 
 
 def gradient_difference(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> dict:
@@ -242,6 +306,20 @@ def main() -> None:
     metrics.write(event="control", strategy="every block, preserve_rng_state=False", **difference)
     print(f"control, preserve_rng_state=False: max |dgrad| {difference['max_abs_difference']:.2e} "
           f"(largest gradient entry {difference['max_abs_gradient']:.2e})")
+
+    # Without grad mode the guard skips checkpoint and its RNG stash; with it, checkpoint runs
+    # in eval mode too (a model fine-tuned in eval mode keeps its memory saving).
+    model = with_strategy(base, "every block", args.segments)
+    plain_calls, plain = rng_stashes(with_strategy(base, "none", args.segments), x,
+                                     training=False, grad=False)
+    for grad in (False, True):
+        for training in (False, True):
+            calls, logits = rng_stashes(model, x, training, grad)
+            metrics.write(event="guarded_forward", training=training, grad=grad,
+                          rng_stashes=calls, blocks=cfg.n_layer, plain_rng_stashes=plain_calls,
+                          equal_to_plain=torch.equal(logits, plain) if not training else None)
+            print(f"every block, forward {'with' if grad else 'without'} grad in "
+                  f"{'training' if training else 'eval'} mode: {calls} RNG stashes")
 
     # The measurement's control: memory and FLOPs in one pass, as this script once did.
     for strategy in ("none", "every block"):

@@ -1,8 +1,20 @@
-"""Plots the notebooks share: several runs' loss curves on one set of axes (no torch)."""
+"""What the notebooks show besides their printouts (no torch): several runs' loss curves on one set
+of axes, and a file a run wrote offered as a download."""
 
 from __future__ import annotations
 
+import gzip
+import shutil
+from pathlib import Path
+
 import matplotlib.pyplot as plt
+
+from dtbook.paths import RUNS_DIR
+
+# Files a page offers for download. The book's build copies this folder into the book's source
+# (tools/build_book.py), so that a {download} role can name them; Sphinx then copies each one
+# beside the page's HTML instead of the page carrying it inline.
+DOWNLOADS_DIR = RUNS_DIR / "downloads"
 
 # The reference run underneath, wide and grey, so that a run that follows it exactly shows as a
 # thin line inside a wide one; the others in turn.
@@ -38,3 +50,19 @@ def plot_loss_curves(runs: dict, title: str | None = None, marks: dict[str, floa
     ax.legend()
     plt.show()
     return curves
+
+
+def download_role(path: Path, name: str) -> str:
+    """Gzip ``path`` to ``runs/downloads/<name>`` and return a MyST {download} role for it.
+
+    Display the role with ``IPython.display.Markdown`` in a cell whose metadata holds
+    ``{"mystnb": {"markdown_format": "myst"}}``, so that the book renders it as MyST (a link)
+    rather than as plain CommonMark.
+    """
+    if not name.endswith(".gz"):
+        raise ValueError(f"{name}: the download is gzipped, so its name ends in .gz")
+    DOWNLOADS_DIR.mkdir(parents=True, exist_ok=True)
+    target = DOWNLOADS_DIR / name
+    with path.open("rb") as source, gzip.open(target, "wb") as packed:
+        shutil.copyfileobj(source, packed)
+    return f"{{download}}`{name} </runs/downloads/{name}>`"

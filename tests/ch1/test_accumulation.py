@@ -56,3 +56,24 @@ def test_a_short_last_group_divided_by_accum_steps_is_the_right_gradient_scaled_
 
 def test_mean_loss_weights_are_each_micro_batch_s_share_of_the_windows(accumulation):
     assert accumulation.mean_loss_weights([4, 4, 2]) == [0.4, 0.4, 0.2]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_under_data_parallel_n_is_the_rank_s_batch_and_the_global_batch_is_ranks_times_too_small(
+        accumulation, ranks):
+    args = accumulation.parse_args(["--model", "tiny", "--micro-batch-size", "2", "--accum-steps", "4",
+                                    "--last-micro-batch", "1", "--ranks", str(ranks)])
+    torch.manual_seed(0)
+    model = GPT(MODEL_SIZES["tiny"])
+    gen = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(256, (8, 64), generator=gen) for _ in "xy")
+    right, wrong = accumulation.compare_data_parallel(args, model, x, y)
+    assert right["right"] and relative(right) <= TOLERANCE
+    assert abs(right["norm_ratio"] - 1) < TOLERANCE
+    assert not wrong["right"] and relative(wrong) > 100 * TOLERANCE
+    assert abs(wrong["norm_ratio"] - ranks) < ranks * TOLERANCE
+
+
+def test_ranks_must_divide_the_batch(accumulation):
+    with pytest.raises(SystemExit):
+        accumulation.parse_args(["--micro-batch-size", "4", "--accum-steps", "4", "--ranks", "3"])

@@ -54,3 +54,17 @@ def test_sdpa_kernel_restricts_the_backend(attention, args):
     assert "MATH" in working
     if not torch.cuda.is_available():
         assert "EFFICIENT_ATTENTION" not in working and "CUDNN_ATTENTION" not in working
+
+
+def test_sdpa_priority_order_is_the_one_aten_context_h_initialises_and_set_priority_restores(attention):
+    import re
+    from pathlib import Path
+
+    header = (Path(torch.__file__).parent / "include" / "ATen" / "Context.h").read_text()
+    block = re.search(r"sdp_priority_order = \{(.*?)\};", header, re.S)[1]
+    in_source = [e.strip().removeprefix("at::SDPBackend::").upper() for e in block.split(",") if e.strip()]
+    orders = attention.priority_orders()
+    assert orders["default"] == in_source
+    assert in_source.index("MATH") < in_source.index("CUDNN_ATTENTION")
+    assert orders["cudnn and math first"][:2] == ["CUDNN_ATTENTION", "MATH"]
+    assert orders["after"] == orders["default"]

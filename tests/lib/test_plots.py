@@ -1,6 +1,7 @@
 """dtbook.plots: the curves drawn are the runs' logged losses, and the first run is the reference."""
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -29,3 +30,18 @@ def test_curves_are_the_logged_losses_and_the_reference_is_drawn_first():
 def test_loss_curve_takes_a_dict_as_it_is():
     points = {5: 1.0}
     assert loss_curve(points) is points
+
+
+def test_download_role_ships_a_gzip_and_names_it_from_the_source_root(tmp_path, monkeypatch):
+    import gzip
+
+    from dtbook import plots
+
+    monkeypatch.setattr(plots, "DOWNLOADS_DIR", tmp_path / "downloads")
+    trace = tmp_path / "rank0.json"
+    trace.write_text('{"traceEvents": []}')
+    role = plots.download_role(trace, "step.json.gz")
+    assert role == "{download}`step.json.gz </runs/downloads/step.json.gz>`"
+    assert gzip.decompress((tmp_path / "downloads" / "step.json.gz").read_bytes()) == trace.read_bytes()
+    with pytest.raises(ValueError, match="ends in .gz"):
+        plots.download_role(trace, "step.json")
