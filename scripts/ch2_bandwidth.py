@@ -15,9 +15,17 @@ For each collective and message size S the table shows, as nccl-tests defines th
           link carries data, comparable across collectives and numbers of processes N
 
 S is the float32 tensor every rank holds (all_reduce, broadcast), the gathered output
-(all_gather), or each rank's input (reduce_scatter). Before the sweep every rank times
-torch.Tensor.copy_ of a --copy-bytes buffer, all at once: the memory-copy bandwidth that
-data moving between processes on one machine cannot beat. After it, rank 0 fits
+(all_gather), or each rank's input (reduce_scatter). At every size, before the first
+collective's call, every rank also times torch.Tensor.copy_ of S bytes into a buffer it has
+already written, all at once: the memory-copy rate at that size, under the load of that
+moment, which data moving between processes on one machine cannot beat. The all_reduce of
+the largest message is timed once more before and once after the sweep: if the two differ,
+the machine's load drifted during it. After the sweep, every rank times, in alternating
+rounds, torch.Tensor.clone of the largest message (fresh memory filled with a copy, the
+local work that PyTorch's gloo backend adds to reduce_scatter and all_gather: it clones the
+input, or gathers into a fresh buffer and copies out) and copy_ of it into a buffer already
+written, and counts the minor page faults of one call of each collective, of the list
+dist.reduce_scatter and of the clone: the fresh memory each touches. Then rank 0 fits
 t = a * alpha + b * S * beta (scripts/dtbook/cost_model.py) to the times of
 --fit-collectives (default: all_reduce, the collective of DDP) and saves the model as
 JSON (--model-out), from which later chapters predict communication times.
@@ -25,6 +33,7 @@ JSON (--model-out), from which later chapters predict communication times.
 
 import argparse
 import os
+import resource
 import statistics
 from functools import partial
 
@@ -44,6 +53,7 @@ from dtbook.cli import (
 from dtbook.comm_timing import calls_per_round, seconds_per_call
 from dtbook.cost_model import COLLECTIVES, MODEL_FILE, AlphaBeta, Measurement, bus_bandwidth
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
+from dtbook.measure import page_faults_per_call
 
 FLOAT32_BYTES = 4
 
@@ -62,8 +72,6 @@ def parse_args() -> argparse.Namespace:
     add("--round-seconds", type=positive_float, default=0.02,
         help="a round makes as many calls as fill this many seconds, at least 1 (default 0.02)")
     add("--max-calls", type=positive_int, default=200, help="at most this many calls per round")
-    add("--copy-bytes", type=byte_size, default=256 * 2**20,
-        help="buffer for the memory-copy ceiling (default 256MiB)")
     add("--fit-collectives", nargs="+", choices=COLLECTIVES, default=["all_reduce"],
         help="fit the model to the times of these (default: all_reduce)")
     add("--model-out", default=str(MODEL_FILE), help=f"where to save the fit (default {MODEL_FILE})")
@@ -104,24 +112,55 @@ def collective_call(name: str, elements: int, device: torch.device):
     return partial(dist.broadcast, full, src=0)
 
 
-def copy_bandwidth(nbytes: int, rounds: int, device: torch.device) -> float:
-    """Bytes per second that Tensor.copy_ moves on each rank while all of them
-    copy."""
+def copy_call(elements: int, device: torch.device):
+    """Tensor.copy_ of ``elements`` floats into a buffer already written: no fresh pages."""
+    source = torch.ones(elements, device=device)
+    target = torch.zeros_like(source)  # zeros_ writes every page now, before any timing
+    return partial(target.copy_, source)
+
+
+def copy_seconds(args, elements: int, device: torch.device) -> float:
+    """Seconds per copy_ of ``elements`` floats on the slowest rank, every
+    rank copying at once: timed as the collectives are (back-to-back calls,
+    the median of rounds)."""
+    copy = copy_call(elements, device)
+    calls, _ = calls_per_round(copy, args.round_seconds, args.max_calls, device)
+    return statistics.median(
+        seconds_per_call(copy, calls, max(3, args.rounds), device))
+
+
+def clone_and_copy_seconds(nbytes: int, rounds: int, device: torch.device) -> dict:
+    """Seconds per Tensor.clone and per copy_ of ``nbytes`` on the slowest rank, every rank at
+    once, in alternating rounds, so that both see the same load. A clone is new memory (its
+    pages fresh) plus a copy into it; the copy alone writes into pages already mapped."""
     source = torch.ones(nbytes // FLOAT32_BYTES, device=device)
-    target = torch.empty_like(source)
-    copy = partial(target.copy_, source)
-    per_round = seconds_per_call(copy, calls=1, rounds=rounds + 1, device=device)
-    # the first copy also maps the target's fresh pages: not timed
-    timed = per_round[1:]
-    return source.numel() * FLOAT32_BYTES / statistics.median(timed)
+    clone = source.clone  # the result is dropped at once, as gloo's buffers are
+    copy = partial(torch.zeros_like(source).copy_, source)
+    times = {"clone": [], "copy": []}
+    for _ in range(rounds + 1):  # the first round of each is a warm-up, not kept
+        for name, fn in (("clone", clone), ("copy", copy)):
+            times[name] += seconds_per_call(fn, calls=1, rounds=1, device=device)
+    return {name: seconds[1:] for name, seconds in times.items()}
+
+
+def reference_seconds(args, elements: int, device: torch.device) -> list[float]:
+    """The rounds of one all_reduce of ``elements`` floats: a reference for the load."""
+    call = collective_call("all_reduce", elements, device)
+    calls, _ = calls_per_round(call, args.round_seconds, args.max_calls, device)
+    return seconds_per_call(call, calls, max(3, args.rounds), device)
 
 
 def sweep(args, device: torch.device) -> list[dict]:
     """Time every collective at every size: one row per (collective, size)."""
     world_size = dist.get_world_size()
     rows = []
-    for name in args.collectives:
+    for index, name in enumerate(args.collectives):
         for elements in message_elements(args, world_size):
+            if index == 0:  # the copy rate at this size, just before the first collective's
+                copy = copy_seconds(args, elements, device)
+                rows.append({"collective": "copy_", "world_size": world_size,
+                             "nbytes": elements * FLOAT32_BYTES, "seconds": copy,
+                             "GBps": elements * FLOAT32_BYTES / copy / 1e9})
             call = collective_call(name, elements, device)
             calls, first = calls_per_round(call, args.round_seconds, args.max_calls, device)
             rounds = max(3, min(args.rounds, int(args.size_seconds / (calls * first))))
@@ -142,6 +181,8 @@ def measurement(row: dict) -> Measurement:
 
 def print_table(rows: list[dict], model: AlphaBeta | None) -> None:
     """One row per size, the collectives side by side: time and bus bandwidth of each."""
+    copies = {r["nbytes"]: r for r in rows if r["collective"] == "copy_"}
+    rows = [r for r in rows if r["collective"] != "copy_"]
     collectives = list(dict.fromkeys(r["collective"] for r in rows))
     by_size: dict[int, dict[str, dict]] = {}
     for r in rows:
@@ -152,7 +193,8 @@ def print_table(rows: list[dict], model: AlphaBeta | None) -> None:
     for nbytes, cells in by_size.items():
         print(f"{format_bytes(nbytes):>9}" + "".join(
             f" {cells[c]['seconds'] * 1e6:>10.1f} {cells[c]['busbw_GBps']:>6.3f}"
-            if c in cells else f" {'-':>17}" for c in collectives))
+            if c in cells else f" {'-':>17}" for c in collectives)
+              + (f"  copy_ {copies[nbytes]['GBps']:.2f} GB/s" if nbytes in copies else ""))
     if model:
         world = rows[0]["world_size"]
         largest = max(by_size)
@@ -166,11 +208,31 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     metrics = open_metrics(args.metrics, backend, device)
 
-    copy_Bps = copy_bandwidth(args.copy_bytes, args.rounds, device)
-    metrics.write(event="copy", nbytes=args.copy_bytes, GBps=copy_Bps / 1e9, copying_ranks=world_size)
-    rows = sweep(args, device)
-    for row in rows:
-        metrics.write(event="collective", **row)
+    largest = message_elements(args, world_size)[-1] * FLOAT32_BYTES
+    before = reference_seconds(args, largest // FLOAT32_BYTES, device)
+    swept = sweep(args, device)
+    after = reference_seconds(args, largest // FLOAT32_BYTES, device)
+    metrics.write(event="drift", collective="all_reduce", nbytes=largest,
+                  before_round_seconds=before, after_round_seconds=after)
+    for row in swept:
+        if row["collective"] == "copy_":
+            metrics.write(event="copy", copying_ranks=world_size, **row)
+        else:
+            metrics.write(event="collective", **row)
+    rows = [row for row in swept if row["collective"] != "copy_"]
+    timed = clone_and_copy_seconds(largest, args.rounds, device)
+    metrics.write(event="clone", nbytes=largest, seconds=statistics.median(timed["clone"]),
+                  round_seconds=timed["clone"], copy_round_seconds=timed["copy"])
+    faults = {name: page_faults_per_call(
+        collective_call(name, largest // FLOAT32_BYTES, device)) for name in args.collectives}
+    if "reduce_scatter" in args.collectives:  # the list API: another path in ProcessGroupGloo
+        full = torch.ones(largest // FLOAT32_BYTES, device=device)
+        shard = torch.empty(largest // FLOAT32_BYTES // world_size, device=device)
+        faults["reduce_scatter (list)"] = page_faults_per_call(
+            partial(dist.reduce_scatter, shard, list(full.tensor_split(world_size))))
+    faults["clone"] = page_faults_per_call(torch.ones(largest // FLOAT32_BYTES).clone)
+    metrics.write(event="page_faults", nbytes=largest, page_bytes=resource.getpagesize(),
+                  per_call=faults)
 
     if rank == 0:
         fit_on = args.fit_collectives
@@ -182,9 +244,17 @@ def main() -> None:
             model.save(args.model_out)
         print(f"{world_size} process(es), {backend} on {device.type}; time: median of up to "
               f"{args.rounds} rounds; model: the alpha-beta fit below")
-        print_table(rows, model)
-        print(f"memory copy: {copy_Bps / 1e9:.2f} GB/s per process (Tensor.copy_ of "
-              f"{format_bytes(args.copy_bytes)}, {world_size} process(es) copying at once)")
+        print_table(swept, model)
+        print(f"memory copy: copy_ of each size, {world_size} process(es) copying at once "
+              f"(last column)")
+        print(f"all_reduce of {format_bytes(largest)}: {statistics.median(before) * 1e3:.2f} ms "
+              f"before the sweep, {statistics.median(after) * 1e3:.2f} ms after it")
+        print(f"clone: {statistics.median(timed['clone']) * 1e3:.2f} ms per Tensor.clone of "
+              f"{format_bytes(largest)}, copy_ {statistics.median(timed['copy']) * 1e3:.2f} ms "
+              f"in alternating rounds ({world_size} process(es) at once)")
+        print(f"minor page faults per call at {format_bytes(largest)} on rank 0 "
+              f"({largest // resource.getpagesize()} pages): "
+              + ", ".join(f"{name} {n:.0f}" for name, n in faults.items()))
         if model is None:
             print("no model fitted: a world of one moves no data; run with 2 or more processes")
         else:

@@ -1,4 +1,4 @@
-"""All-reduce written by hand from point-to-point messages: a ring, and recursive doubling.
+"""All-reduce written by hand from point-to-point messages: a ring, recursive doubling, Rabenseifner.
 
     torchrun --standalone --nproc_per_node=4 scripts/ch2_ring_all_reduce.py --sizes
     torchrun --standalone --nproc_per_node=2 scripts/ch2_ring_all_reduce.py
@@ -8,17 +8,22 @@ ring                a reduce-scatter then an all-gather around the ring of ranks
                     every rank sends 2(N-1)/N of the tensor, the least any all-reduce can send
 recursive_doubling  log2(N) steps; in step k every rank swaps its whole tensor with rank XOR 2^k
                     and adds: fewer steps, but n * log2(N) bytes sent; N must be a power of two
+rabenseifner        reduce-scatter by recursive halving, then all-gather by recursive doubling:
+                    2 log2(N) steps and the ring's 2(N-1)/N of the tensor; N a power of two
 
 First both are checked against dist.all_reduce on tensors of --check-elements float32 elements:
 bit-identical results on integer-valued tensors (every partial sum is exact), results within
 float32 rounding on random ones, identical results on every rank, and the bytes each rank sent
-against the formulas. Then the three are timed at each of --sizes: the median of --rounds rounds
-of back-to-back calls, each round ending when its slowest rank is done (dtbook/comm_timing.py).
+against the formulas. Then all of them and dist.all_reduce are timed at each of --sizes: the median of --rounds rounds
+of back-to-back calls, each round ending when its slowest rank is done (dtbook/comm_timing.py),
+and at the largest size the minor page faults of one call of each are counted: the fresh memory
+a call touches (the buffers the algorithms allocate).
 """
 
 import argparse
 import hashlib
 import os
+import resource
 import statistics
 from functools import partial
 
@@ -37,6 +42,7 @@ from dtbook.cli import (
 )
 from dtbook.comm_timing import calls_per_round, seconds_per_call
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
+from dtbook.measure import page_faults_per_call
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24  # u: the largest relative rounding error of a float32 add
 
@@ -97,13 +103,56 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor) -> int:
     return sent
 
 
-ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce}
+def rabenseifner_all_reduce(tensor: torch.Tensor) -> int:
+    """Sum ``tensor`` over a power-of-two number of ranks, in place: a
+    reduce-scatter by recursive halving, then an all-gather by recursive doubling.
+    Return the bytes sent."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    bounds = [0]  # chunk i is flat[bounds[i]:bounds[i + 1]], as tensor_split cuts it
+    for chunk in flat.tensor_split(world):
+        bounds.append(bounds[-1] + chunk.numel())
+
+    # chunks first..end-1: one view
+    def chunks(first: int, end: int) -> torch.Tensor:
+        return flat[bounds[first]:bounds[end]]
+
+    # the lower half is the larger
+    incoming = torch.empty_like(chunks(0, world // 2))
+    first, end, sent, distance = 0, world, 0, world // 2
+    # Reduce-scatter: give the partner the half it keeps, add the half it gives back.
+    # After the step with distance d, rank r holds partial sums over world/d ranks
+    # of a range of chunks that halves each step; at the end, the complete sum of
+    # chunk r.
+    while distance:
+        middle = (first + end) // 2
+        keep, give = ((first, middle), (middle, end)) if rank & distance == 0 else \
+            ((middle, end), (first, middle))
+        mine = chunks(*keep)
+        buffer = incoming[: mine.numel()]
+        sent += exchange(chunks(*give), rank ^ distance, buffer, rank ^ distance)
+        mine.add_(buffer)
+        (first, end), distance = keep, distance // 2
+    # All-gather: the same partners in reverse order, the complete ranges doubling.
+    distance = 1
+    while distance < world:
+        size = end - first
+        theirs = (first - size, first) if rank & distance else (end, end + size)
+        sent += exchange(chunks(first, end), rank ^ distance,
+                         chunks(*theirs), rank ^ distance)
+        first, end, distance = (min(first, theirs[0]), max(end, theirs[1]),
+                                distance * 2)
+    return sent
+
+
+ALGORITHMS = {"ring": ring_all_reduce, "recursive_doubling": recursive_doubling_all_reduce,
+              "rabenseifner": rabenseifner_all_reduce}
 
 
 def expected_bytes_sent(algorithm: str, elements: int, world: int) -> float:
     """Bytes each rank sends by the formulas, for a float32 tensor that N divides evenly."""
     n = elements * 4
-    if algorithm == "ring":
+    if algorithm in ("ring", "rabenseifner"):
         return 2 * (world - 1) / world * n
     return n * (world.bit_length() - 1)  # n * log2(N)
 
@@ -163,7 +212,7 @@ def time_algorithms(args, device) -> list[dict]:
     """Seconds per call of each algorithm and of dist.all_reduce at each size."""
     world = dist.get_world_size()
     contenders = {name: ALGORITHMS[name] for name in args.algorithms} | {"dist.all_reduce": dist.all_reduce}
-    rows = []
+    rows, faults = [], {}
     for nbytes in args.sizes:
         elements = max(world, nbytes // 4 // world * world)
         tensor = torch.zeros(elements, device=device)  # zeros stay zeros, however often they are summed
@@ -174,7 +223,9 @@ def time_algorithms(args, device) -> list[dict]:
             rows.append({"algorithm": name, "nbytes": elements * 4, "world_size": world,
                          "seconds": statistics.median(per_call), "calls_per_round": calls,
                          "round_seconds": per_call})
-    return rows
+            if nbytes == max(args.sizes):
+                faults[name] = page_faults_per_call(call)
+    return rows, faults
 
 
 def parse_args() -> argparse.Namespace:
@@ -194,9 +245,10 @@ def parse_args() -> argparse.Namespace:
     add_backend_and_metrics(parser)
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if "recursive_doubling" in args.algorithms and world & (world - 1):
-        raise ScriptError(f"recursive doubling needs a power-of-two number of processes, not {world}: "
-                          "add --algorithms ring")
+    needs_power_of_two = [a.replace("_", " ") for a in args.algorithms if a != "ring"]
+    if needs_power_of_two and world & (world - 1):
+        raise ScriptError(f"{' and '.join(needs_power_of_two)}: a power-of-two number of processes "
+                          f"is needed, not {world}: add --algorithms ring")
     return args
 
 
@@ -221,9 +273,13 @@ def main() -> None:
             if not passed:
                 raise ScriptError(f"{name} disagrees with dist.all_reduce on {elements} elements: {result}")
 
-    rows = time_algorithms(args, device) if args.sizes else []
+    rows, faults = time_algorithms(args, device) if args.sizes else ([], {})
     for row in rows:
         metrics.write(event="timing", **row)
+    if faults:
+        largest = max(r["nbytes"] for r in rows)
+        metrics.write(event="page_faults", nbytes=largest, page_bytes=resource.getpagesize(),
+                      per_call=faults)
     if rank == 0 and rows:
         names = list(dict.fromkeys(r["algorithm"] for r in rows))
         print(f"\nmicroseconds per call, {world} processes, {backend} (median of {args.rounds} rounds)")
@@ -232,6 +288,9 @@ def main() -> None:
             at = {r["algorithm"]: r["seconds"] for r in rows if r["nbytes"] == nbytes}
             ratio = f"{at['ring'] / at['dist.all_reduce']:>12.2f}" if "ring" in at else ""
             print(f"{format_bytes(nbytes):>10} " + " ".join(f"{at[n] * 1e6:>18.1f}" for n in names) + ratio)
+        print(f"minor page faults per call at {format_bytes(largest)} on rank 0 "
+              f"({largest // resource.getpagesize()} pages): "
+              + ", ".join(f"{name} {n:.0f}" for name, n in faults.items()))
     metrics.close()
     drain_gloo_workers()
     dist.destroy_process_group()

@@ -39,7 +39,7 @@ def test_ring_on_three_processes_is_exact_and_sends_the_formula_bytes(tmp_path):
 def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(tmp_path):
     metrics, model_file = tmp_path / "m.jsonl", tmp_path / "model.json"
     done = run_torchrun("ch2_bandwidth.py", "--max-bytes", "64KiB", "--step", 16, "--rounds", 1,
-                        "--round-seconds", 0.001, "--copy-bytes", "64KiB", "--model-out", model_file,
+                        "--round-seconds", 0.001, "--model-out", model_file,
                         "--metrics", metrics, nproc=2, timeout=240)
     records = read_metrics(metrics)
     rows = [r for r in records if r["event"] == "collective"]
@@ -58,20 +58,33 @@ def test_benchmark_prints_a_table_that_matches_its_metrics_and_saves_its_model(t
     order = header.split()
     assert sorted(order) == sorted({r["collective"] for r in rows})
     by_key = {(r["collective"], r["nbytes"]): r for r in rows}
+    copies = {r["nbytes"]: r for r in records if r["event"] == "copy"}
+    assert sorted(copies) == sorted({r["nbytes"] for r in rows}), "the copy rate at every size"
     for size in sorted({r["nbytes"] for r in rows}):
-        line = re.search(rf"^ *{re.escape(format_bytes(size))}((?: +\S+)+)$", done.output, re.M)
+        line = re.search(rf"^ *{re.escape(format_bytes(size))}((?: +[-\d.]+)+)  copy_ ([\d.]+) GB/s$",
+                         done.output, re.M)
         assert line, f"no table row for {format_bytes(size)}:\n{done.output}"
         values = [float(v) for v in line.group(1).split()]
         for i, collective in enumerate(order):
             r = by_key[collective, size]
             assert values[2 * i] == pytest.approx(r["seconds"] * 1e6, abs=0.051)  # to 0.1 us
             assert values[2 * i + 1] == pytest.approx(r["busbw_GBps"], abs=0.00051)
+        assert float(line.group(2)) == pytest.approx(copies[size]["GBps"], abs=0.0051)
     largest = max(r["nbytes"] for r in rows)
     for collective in order:
         predicted = model.predict(largest, 2, collective) * 1e6
         printed = re.search(rf"{collective} (\d+) us", done.output.split("the model at")[1])
         assert float(printed.group(1)) == pytest.approx(predicted, abs=0.51)  # to 1 us
     assert "memory copy:" in done.output and "alpha-beta fit to all_reduce:" in done.output
+    (clone,) = [r for r in records if r["event"] == "clone"]
+    assert clone["nbytes"] == largest and len(clone["round_seconds"]) == 1  # --rounds 1
+    assert len(clone["copy_round_seconds"]) == 1, "copy_ in the same, alternating rounds"
+    (drift,) = [r for r in records if r["event"] == "drift"]
+    assert drift["nbytes"] == largest and len(drift["before_round_seconds"]) == 3  # at least 3
+    assert f"clone: {clone['seconds'] * 1e3:.2f} ms" in done.output
+    (faults,) = [r for r in records if r["event"] == "page_faults"]
+    assert set(faults["per_call"]) == set(order) | {"clone", "reduce_scatter (list)"}
+    assert f"minor page faults per call at {format_bytes(largest)}" in done.output
 
 
 def measured(row: dict) -> Measurement:
@@ -82,7 +95,7 @@ TORCHRUN_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.
 
 
 @pytest.mark.parametrize("script, argv, env, message", [
-    ("ch2_ring_all_reduce.py", [], {"WORLD_SIZE": "3"}, "recursive doubling needs a power-of-two number"),
+    ("ch2_ring_all_reduce.py", [], {"WORLD_SIZE": "3"}, "a power-of-two number of processes is needed"),
     ("ch2_collectives.py", [], {"WORLD_SIZE": "1"}, "at least 2 processes"),
     ("ch2_process_groups.py", [], {"WORLD_SIZE": "1"}, "2 or more processes"),
     ("ch2_process_groups.py", ["--init-method", "udp://x"], {"WORLD_SIZE": "2"}, "use env://, tcp://"),
