@@ -1,6 +1,6 @@
 """Hang a small job on purpose and leave the evidence: a flight-recorder dump per rank.
 
-    export TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE=runs/fr/rank_
+    export TORCH_FR_DUMP_TEMP_FILE=runs/fr/rank_
     torchrun --standalone --nproc_per_node=2 scripts/ch3_hang_forensics.py --extra-on-rank 0
     torchrun ... --extra-on-rank 0 --timeout 20    # 20 s to run py-spy dump on every rank
     torchrun ... --dump-at-end                     # the control: no hang, dumps all the same
@@ -12,8 +12,9 @@ loss before the barrier, as a logging line inside `if rank == 0:` would: a
 collective that no other rank issues. It waits for partners that wait at the
 barrier, and every rank hangs until the process-group timeout (--timeout).
 
-With TORCH_FR_BUFFER_SIZE set, the flight recorder keeps the last N collectives
-of every rank: op, sizes, sequence number and the Python stack that issued it.
+The flight recorder is on by default, on gloo as on NCCL: every rank keeps its
+last 2000 collectives (op, sizes, sequence number and the Python stack that
+issued it); TORCH_FR_BUFFER_SIZE changes the count, and 0 turns it off.
 NCCL's watchdog writes that buffer out by itself when a collective times out;
 gloo has no such watchdog, so here each rank writes it when its collective fails,
 to TORCH_FR_DUMP_TEMP_FILE followed by its rank (torch's default prefix is
@@ -26,6 +27,7 @@ attach `py-spy dump --pid` to each rank while it waits.
 import argparse
 import ctypes
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +54,8 @@ DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
 # (TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC).
 DUMP_GRACE_S = 2.0
 GRADIENT_NUMEL = 1024
+# The flight recorder's size, under its current name and its older one: recorded as each run saw them.
+BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 # prctl(2)'s option that names who may trace this process where Yama restricts it.
 PR_SET_PTRACER, PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
 
@@ -74,11 +78,17 @@ def parse_args() -> argparse.Namespace:
 
 def check_inputs(args, world_size: int) -> None:
     """Refuse, before init_process_group, what cannot give a useful dump."""
-    size = os.environ.get("TORCH_FR_BUFFER_SIZE", "")
-    if not size.isdigit() or int(size) < 1:
-        raise ScriptError(f"set TORCH_FR_BUFFER_SIZE to the collectives to keep per rank "
-                          f"(e.g. 2000), not {size!r}: without it the flight recorder "
-                          f"records nothing")
+    # torch reads the first of these that is set; unset, it keeps 2000 entries
+    # (FlightRecorder.hpp, shipped in torch/include/torch/csrc/distributed/c10d).
+    for name in BUFFER_VARIABLES:
+        size = os.environ.get(name)
+        if size is None:
+            continue
+        if not size.isdigit() or int(size) < 1:
+            raise ScriptError(f"{name}={size!r} turns the flight recorder off or is "
+                              f"no count: unset it (torch keeps 2000 collectives per "
+                              f"rank) or give a positive number")
+        break
     if args.extra_on_rank is None:
         return
     if world_size < 2:
@@ -102,25 +112,33 @@ def write_flight_record(rank: int) -> Path:
     return path
 
 
-def allow_py_spy() -> int:
+def allow_py_spy() -> int | str:
     """Let py-spy, run by this user from any shell, read this process.
 
     Where Yama's ptrace_scope is 1 (Ubuntu's default), only a process's ancestors
     may trace it, and py-spy started from a notebook or a second shell is none of
-    them. Returns 0, or the errno: EINVAL without Yama, where nothing is needed.
-    At scope 2 only root may trace (sudo py-spy), at 3 nobody.
+    them. On Linux returns 0, or the errno: EINVAL without Yama, where nothing is
+    needed. At scope 2 only root may trace (sudo py-spy), at 3 nobody. Elsewhere
+    (macOS has neither Yama nor prctl; py-spy needs root there) it calls nothing
+    and returns the reason in one line.
     """
+    if not sys.platform.startswith("linux"):
+        return (f"no prctl on {sys.platform}: nothing to allow, "
+                "py-spy needs root here")
     libc = ctypes.CDLL(None, use_errno=True)
     done = libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
     return 0 if done == 0 else ctypes.get_errno()
 
 
 def share_pids(metrics) -> None:
-    """Rank 0 records every rank's process id: what `py-spy dump --pid` needs."""
-    allow_py_spy()
+    """Rank 0 records every rank's process id, what `py-spy dump --pid` needs, with
+    what allow_py_spy answered and the recorder's size variables as this rank saw them."""
+    ptracer = allow_py_spy()
     pids = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
-    metrics.write(event="pids", pids=pids, unix_time=time.time())
+    metrics.write(event="pids", pids=pids, ptracer=ptracer,
+                  buffer_env={name: os.environ.get(name) for name in BUFFER_VARIABLES},
+                  unix_time=time.time())
 
 
 def train_steps(steps: int, device: torch.device) -> torch.Tensor:

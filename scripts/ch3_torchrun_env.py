@@ -42,6 +42,8 @@ def main() -> None:
     launched.update({k: v for k, v in os.environ.items()
                      if k.startswith("TORCHELASTIC_")})
     fill_in_launch_variables()  # no torchrun: srun's task, or a world of one
+    # On GPUs: device is cuda:LOCAL_RANK, and choose_backend has already called
+    # torch.cuda.set_device(device), before init_process_group.
     backend, device = choose_backend(args.backend)
     # device_id binds the process to its GPU: NCCL creates its communicator right
     # here (a broken setup fails now, not in the first collective), barrier() knows

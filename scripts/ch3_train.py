@@ -353,6 +353,8 @@ def main() -> None:
     fill_in_launch_variables()
     # Also pins MKL's GEMM code path, so the same command gives the same bits
     # every time (dtbook/reproducibility.py): kill-and-resume ends torch.equal.
+    # On GPUs: device is cuda:LOCAL_RANK, and choose_backend has already called
+    # torch.cuda.set_device(device), before init_process_group.
     backend, device = choose_backend(args.backend)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.global_batch_size:

@@ -38,7 +38,12 @@ def run_main(main) -> None:
     except ScriptError as err:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
+        # One write, newline included: under `python -u` print() writes the text and the newline
+        # separately, and two ranks' lines on torchrun's shared pipe could interleave between them.
+        # A write(2) to a pipe is atomic up to PIPE_BUF (4096 bytes on Linux, 512 on macOS), which
+        # a one-line error stays well under.
+        sys.stderr.write(f"{prefix}error: {err}\n")
+        sys.stderr.flush()
         time.sleep(err.linger_s)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -4,9 +4,10 @@ Section 3.3 (notebooks/ch3_ddp/03_hangs.ipynb) runs the two-rank hang, attaches
 py-spy, reads the dumps with plain Python and torchfrtrace, and asserts the divergence against a
 control run that dumps at the end: none of that is launched again here. What is tested below is
 what the page cannot show: one-line refusals, --help, that a run without a hang writes no dump,
-and a hang among three ranks.
+that the recorder records with no buffer size set, and a hang among three ranks.
 """
 
+import json
 import pickle
 from pathlib import Path
 
@@ -29,15 +30,33 @@ def test_help_shows_the_usage_lines():
     assert "--extra-on-rank" in done.output and "--dump-at-end" in done.output
 
 
-@pytest.mark.parametrize("size", [None, "0", "2k"])
-def test_without_a_buffer_size_the_script_refuses(monkeypatch, capsys, size):
-    if size is None:
-        monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", size)
+@pytest.mark.parametrize(("name", "size"), [("TORCH_FR_BUFFER_SIZE", "0"),
+                                           ("TORCH_FR_BUFFER_SIZE", "2k"),
+                                           ("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")])
+def test_a_buffer_size_that_turns_the_recorder_off_is_refused(monkeypatch, capsys, name, size):
+    for other in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, size)
     assert run_in_process(SCRIPT, monkeypatch=monkeypatch) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: set TORCH_FR_BUFFER_SIZE")
+    assert line.startswith(f"error: {name}={size!r} turns the flight recorder off")
+
+
+def test_unset_the_recorder_keeps_torchs_default(tmp_path):
+    """torch 2.13's FlightRecorder defaults to 2000 entries, gloo included: a control run with
+    no buffer size set still dumps every collective it issued."""
+    env = {"TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "rank_"),
+           "TORCH_FR_BUFFER_SIZE": None, "TORCH_NCCL_TRACE_BUFFER_SIZE": None}
+    import torch
+
+    header = Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/FlightRecorder.hpp"
+    assert '{"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000);' in header.read_text()
+    run_torchrun(SCRIPT, "--dump-at-end", "--steps", 3, "--timeout", PG_TIMEOUT, env=env,
+                 timeout=LIMIT)
+    dumps = [pickle.loads((tmp_path / f"rank_{r}").read_bytes()) for r in range(2)]
+    for dump in dumps:
+        names = [e["profiling_name"] for e in dump["entries"]]
+        assert names.count("gloo:all_reduce") == 3 and names[-1] == "gloo:barrier", names
 
 
 @pytest.mark.parametrize(
@@ -97,3 +116,62 @@ def test_the_ranks_name_py_spy_as_a_tracer_where_yama_exists():
     result = load_script(SCRIPT).allow_py_spy()
     yama = Path("/proc/sys/kernel/yama/ptrace_scope").exists()
     assert result == (0 if yama else errno.EINVAL)
+
+
+class _LibcWithoutPrctl:
+    """A C library as macOS's looks to ctypes: no prctl symbol."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        raise AttributeError(f"dlsym(RTLD_DEFAULT, {name}): symbol not found")
+
+
+# Runs the script as torchrun would, on a pretend macOS: sys.platform says darwin and the C
+# library has no prctl. torch and the book's library are imported first, on the real platform.
+WITHOUT_PRCTL = """
+import ctypes, runpy, sys
+import torch, torch.distributed, dtbook.cli, dtbook.distributed
+sys.platform = "darwin"
+class NoPrctl:
+    def __init__(self, *args, **kwargs):
+        pass
+    def __getattr__(self, name):
+        raise AttributeError(f"dlsym(RTLD_DEFAULT, {name}): symbol not found")
+ctypes.CDLL = NoPrctl
+sys.argv = sys.argv[1:]  # the script's own path, then its arguments
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_without_prctl_allow_py_spy_calls_nothing_and_says_why(monkeypatch):
+    program = load_script(SCRIPT)
+    monkeypatch.setattr(program.ctypes, "CDLL", _LibcWithoutPrctl)
+    with pytest.raises(AttributeError):  # what the old unconditional call met on macOS
+        _ = program.ctypes.CDLL(None).prctl
+    monkeypatch.setattr(program.sys, "platform", "darwin")
+    reason = program.allow_py_spy()
+    assert reason == "no prctl on darwin: nothing to allow, py-spy needs root here"
+
+
+def test_without_prctl_the_script_still_hangs_and_dumps(tmp_path):
+    """On a pretend macOS the ranks record their pids and the reason, hang, write their
+    flight-recorder dumps and fail with one line each, as on Linux."""
+    from support import SCRIPTS
+
+    wrapper = tmp_path / "without_prctl.py"
+    wrapper.write_text(WITHOUT_PRCTL)
+    metrics = tmp_path / "metrics.jsonl"
+    done = run_torchrun(wrapper, SCRIPTS / SCRIPT, "--extra-on-rank", 0, "--timeout", PG_TIMEOUT,
+                        "--metrics", metrics, env=recorder_env(tmp_path), timeout=LIMIT,
+                        check=False)
+    assert done.returncode != 0 and "Traceback" not in done.output, done.output
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    (pids,) = [r for r in records if r.get("event") == "pids"]
+    assert pids["ptracer"].startswith("no prctl on darwin"), pids
+    errors = [line for line in done.output.splitlines() if "error:" in line]
+    assert len(errors) == 2 and all("flight-recorder dump in" in e for e in errors), done.output
+    dumps = [pickle.loads((tmp_path / f"rank_{r}").read_bytes()) for r in range(2)]
+    last = [d["entries"][-1]["profiling_name"] for d in dumps]
+    assert last == ["gloo:all_reduce", "gloo:barrier"]
