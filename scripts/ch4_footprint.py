@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, ShardingStrategy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, ShardingStrategy, fully_shard
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -83,7 +83,9 @@ class LiveMemory(TorchDispatchMode):
     operator's outputs are registered by their storage; a weak reference drops a
     storage when it is freed. FSDP frees and re-allocates gathered parameters by
     resizing their storage, without an operator, so the total is re-read after
-    every operator rather than kept as a running sum.
+    every operator rather than kept as a running sum. ``on_peak``, if set, is
+    called with the operator each time the peak rises; what it returns is kept in
+    ``at_peak``.
     """
 
     def __init__(self, device: torch.device):
@@ -91,12 +93,18 @@ class LiveMemory(TorchDispatchMode):
         self.device_type = device.type
         self.storages: dict[int, weakref.ref] = {}
         self.peak = 0
+        self.on_peak = None
+        self.at_peak = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             self._track(tensor)
-        self.peak = max(self.peak, self.live())
+        live = self.live()
+        if live > self.peak:
+            self.peak = live
+            if self.on_peak is not None:
+                self.at_peak = self.on_peak(func)
         return out
 
     def _track(self, tensor) -> None:
@@ -180,6 +188,21 @@ def build(config: str, cfg, device: torch.device, seed: int, lr: float):
     return model, optimizer
 
 
+def fsdp_units_now(model, marks: dict) -> dict | None:
+    """Each FSDP2 unit's state (FSDPParam.sharded_state: UNSHARDED means gathered) and
+    training state (FORWARD, PRE_BACKWARD, ...) at this moment; None for other APIs."""
+    units = {"root": model, **marks}
+    units = {name: m for name, m in units.items() if isinstance(m, FSDPModule)}
+    if not units:
+        return None
+    states = {}
+    for name, unit in units.items():
+        group = unit._get_fsdp_state()._fsdp_param_group
+        states[name] = {"sharded_state": group.fsdp_params[0].sharded_state.name,
+                        "training_state": group._training_state.name}
+    return states
+
+
 def formula(config: str, n_params: int, world_size: int) -> dict[str, float]:
     """ZeRO's per-rank bytes with fp32 weights and AdamW: 4 (weights) + 4
     (gradients) + 8 (two moments) bytes per parameter, each divided by the number
@@ -205,6 +228,9 @@ def measure(config: str, cfg, device, batches, args) -> dict:
         memory.reset_peak()
         inner = model.module if isinstance(model, DDP) else model
         marks = {f"blocks.{i}": block for i, block in enumerate(inner.blocks)}
+        # which units are gathered when the peak is reached, and by which operator
+        memory.on_peak = lambda func: {"op": str(func),
+                                       "units": fsdp_units_now(inner, marks)}
         with CollectiveLog(marks) as log:
             model(x2, y2).backward()
             with_grad = [p for p in model.parameters() if p.grad is not None]
@@ -226,6 +252,7 @@ def measure(config: str, cfg, device, batches, args) -> dict:
                    "optimizer": storage_bytes(state["optimizer"], HOST)},
                "at_rest": memory.live(),
                "peak_step": memory.peak,
+               "at_peak": memory.at_peak,
                "cuda_peak_step": torch.cuda.max_memory_allocated() if on_gpu
                else None}
     layout = None

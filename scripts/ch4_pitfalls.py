@@ -1,4 +1,4 @@
-"""Six ways to get FSDP wrong, each shown failing (or silently wrong) and then fixed.
+"""Seven ways to get FSDP wrong, each shown failing (or silently wrong) and then fixed.
 
     torchrun --standalone --nproc_per_node=2 scripts/ch4_pitfalls.py
     torchrun --standalone --nproc_per_node=2 scripts/ch4_pitfalls.py --pitfalls tied_weights
@@ -8,8 +8,9 @@ root's forward optimizer_too_early    building the optimizer before fully_shard
 replaced the parameters edit_gathered_copy     changing the gathered parameters,
 which FSDP throws away at reshard mixed_apis             wrapping FSDP2 units in an
 FSDP1 wrapper tied_weights           putting two modules that share a weight into
-different FSDP units state_dict_one_rank    gathering a full state dict inside `if
-rank == 0:` (a deadlock)
+different FSDP units nonpersistent_buffer   a buffer registered with persistent=False,
+materialized by to_empty and never in a checkpoint state_dict_one_rank    gathering a
+full state dict inside `if rank == 0:` (a deadlock)
 
 Every collective here gives up after --timeout-s seconds instead of waiting for ever,
 so the deadlock ends with an error on rank 0. It runs last: a collective that timed
@@ -20,20 +21,24 @@ TCPStore instead.
 import argparse
 import datetime
 import os
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from dtbook.cli import add_backend_and_metrics, one_line, positive_int, run_main, script_parser
 from dtbook.distributed import drain_gloo_workers, open_metrics, start_process_group
+from dtbook.metrics import run_each
 from dtbook.model import GPT, MODEL_SIZES
 from dtbook.ports import free_port
 
 PITFALLS = ["submodule_call", "optimizer_too_early", "edit_gathered_copy",
-            "mixed_apis", "tied_weights",
+            "mixed_apis", "tied_weights", "nonpersistent_buffer",
             "state_dict_one_rank"]
 
 
@@ -146,6 +151,69 @@ def tied_weights(tokens, targets) -> dict:
             "fixed_still_tied": model.head.weight is model.tok_emb.weight}
 
 
+class ScaledGPT(nn.Module):
+    """The GPT with a derived table in a non-persistent buffer (as RoPE keeps its
+    frequencies): computed in __init__, never saved."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+        self.register_buffer("scale", torch.empty(gpt.cfg.vocab_size), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.scale.copy_(torch.linspace(0.5, 1.5, self.scale.numel()))
+
+    def forward(self, tokens):
+        return self.gpt(tokens) * self.scale
+
+
+def nonpersistent_buffer(tokens, targets) -> dict:
+    reference = ScaledGPT(new_model())
+    shard(reference.gpt)
+    fully_shard(reference)
+    options = StateDictOptions(full_state_dict=True)
+    # what a checkpoint holds
+    saved = get_model_state_dict(reference, options=options)
+
+    def restored(reset: bool) -> ScaledGPT:
+        with torch.device("meta"):
+            model = ScaledGPT(GPT(MODEL_SIZES["tiny"]))
+        shard(model.gpt)
+        fully_shard(model)
+        # parameters *and* buffers: uninitialized memory (torch.empty_like). In
+        # deterministic mode torch fills it with NaN (fill_uninitialized_memory), so
+        # the broken case shows the same thing on every run instead of garbage.
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            model.to_empty(device=tokens.device)
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        # restores the parameters only
+        set_model_state_dict(model, saved, options=options)
+        if reset:
+            model.reset_buffers()  # the fix: recompute what no checkpoint holds
+        return model
+
+    with torch.no_grad():
+        expected = reference(tokens)
+        broken, fixed = restored(reset=False), restored(reset=True)
+        broken_output = broken(tokens)
+        return {"in_state_dict": "scale" in saved, "saved_keys": len(saved),
+                "broken_buffer_equal": torch.equal(broken.scale, reference.scale),
+                "broken_buffer_nan": bool(broken.scale.isnan().all()),
+                "broken_output_equal": torch.equal(broken_output, expected),
+                "broken_output_nan": bool(broken_output.isnan().all()),
+                "fixed_output_equal": torch.equal(fixed(tokens), expected),
+                # fully_shard shards parameters (DTensors), never buffers: each rank
+                # keeps a whole copy of its own
+                "buffer_sharded": isinstance(broken.scale, DTensor),
+                "parameters_sharded": all(isinstance(p, DTensor)
+                                          for p in broken.parameters())}
+
+
 def state_dict_one_rank(tokens, targets, store: dist.TCPStore) -> dict:
     model = shard(new_model())
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -198,18 +266,14 @@ def main() -> None:
                            (2, MODEL_SIZES["tiny"].context), device=device)
     targets = torch.roll(tokens, -1, dims=1)
     torch.set_default_device(device)
-    demos = {"submodule_call": submodule_call,
-             "optimizer_too_early": optimizer_too_early,
-             "edit_gathered_copy": edit_gathered_copy, "mixed_apis": mixed_apis,
-             "tied_weights": tied_weights}
-    for name in [p for p in PITFALLS if p in args.pitfalls]:
-        if name == "state_dict_one_rank":
-            outcome = state_dict_one_rank(tokens, targets, store)
-        else:
-            outcome = demos[name](tokens, targets)
-        metrics.write(event="pitfall", name=name, **outcome)
-        if dist.get_rank() == 0:
-            print(f"{name}: {outcome}", flush=True)
+    demos = {"submodule_call": partial(submodule_call, tokens, targets),
+             "optimizer_too_early": partial(optimizer_too_early, tokens, targets),
+             "edit_gathered_copy": partial(edit_gathered_copy, tokens, targets),
+             "mixed_apis": partial(mixed_apis, tokens, targets),
+             "tied_weights": partial(tied_weights, tokens, targets),
+             "nonpersistent_buffer": partial(nonpersistent_buffer, tokens, targets),
+             "state_dict_one_rank": partial(state_dict_one_rank, tokens, targets, store)}
+    run_each(demos, args.pitfalls, metrics, "pitfall", dist.get_rank())
     metrics.close()
     drain_gloo_workers()
     dist.destroy_process_group()

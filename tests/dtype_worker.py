@@ -210,13 +210,7 @@ def experts(dtype: torch.dtype) -> dict:
         dist.all_reduce(p.grad)
     outs = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(outs, out.detach())
-    found = {f"router.{n}": p.grad for n, p in layer.router.named_parameters()}
-    owned = {f"experts.{layer.first + i}.{n}": p.grad
-             for i, e in enumerate(layer.experts) for n, p in e.named_parameters()}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, owned)
-    for part in everyone:
-        found.update(part)
+    found = program.unsplit_gradients(layer)
     return {"gaps": {"outputs": gap(torch.cat(outs), ref_out),
                      "gradients": training_gap(found, grads(ref))},
             "dtypes": dtypes(output=[out], params=layer.parameters(),

@@ -13,11 +13,15 @@ comparison with a control that must fail it:
 - an exact (torch.equal) resume after SIGKILL with dropout, accumulation, activation
   checkpointing, CPU offload and meta-device initialization, across an epoch boundary: section 5;
 - FSDP2 with --grad-clip on two processes clipping by the norm one process computes, and FSDP2
-  with --compile aot_eager equal to eager FSDP2: section 3.
+  with --compile aot_eager equal to eager FSDP2: section 3;
+- ch4_knobs.py on four processes (int reshard_after_forward, set_reshard_after_backward, the
+  MixedPrecisionPolicy fields and autocast, shard_placement_fn, CPUOffloadPolicy's step time): section 3;
+- a non-persistent buffer after to_empty, not restored by a checkpoint: section 6 (ch4_pitfalls.py).
 
 The tests here check what those runs cannot: every impossible combination refused in one line, in
 process; one refusal end to end; the size-based wrap policy in a world of one; the ring formulas;
-FSDP1's clip (the wrapper's own clip_grad_norm_) against FSDP2's.
+FSDP1's clip (the wrapper's own clip_grad_norm_) against FSDP2's; ch4_knobs.py's refusal of a world
+too small for an int reshard.
 """
 
 import math
@@ -151,6 +155,17 @@ def test_footprint_counts_only_the_training_devices_memory(footprint):
         assert memory.live() == 256 and kept
 
 
+def test_live_memory_records_the_operator_that_reached_the_peak(footprint):
+    """4.4 reads what was gathered at the peak from on_peak; it must fire at the peak, not later."""
+    with footprint.LiveMemory(torch.device("cpu")) as memory:
+        memory.on_peak = lambda func: str(func)
+        big = torch.ones(4096)
+        del big
+        kept = torch.zeros(16)
+    assert memory.peak == 4096 * 4 and kept.numel() == 16
+    assert memory.at_peak == "aten.ones.default"  # not the later, smaller zeros
+
+
 def test_offload_that_left_state_on_the_device_is_an_error(footprint):
     offloaded = {"params": 0, "grads": 0, "optimizer": 0,
                  "host": {"params": 482_304, "grads": 482_304, "optimizer": 964_608}}
@@ -185,3 +200,11 @@ def test_fsdp1_clips_by_the_same_norm_as_fsdp2(tmp_path):
         assert abs(math.hypot(*fsdp1["clipped_by_rank"]) - 0.1) <= GAP_PER_STEP * step * 0.1, step
         # the control: the norm torch.nn.utils.clip_grad_norm_ would use on an FSDP1 model
         assert all(whole["total"] - local > tolerance for local in fsdp1["local_by_rank"]), step
+
+
+def test_knobs_refuse_a_world_too_small_for_an_int_reshard_in_one_line():
+    done = run_python("ch4_knobs.py", check=False, timeout=120)
+    errors = [line for line in done.output.splitlines() if "error:" in line]
+    assert done.returncode == 2
+    assert len(errors) == 1 and "even world size of at least 4, not 1" in errors[0]
+    assert "Traceback" not in done.output
