@@ -125,6 +125,22 @@ def gathered(value) -> list:
     return values
 
 
+def unsplit_gradients(layer: ExpertParallelMoE) -> dict[str, torch.Tensor]:
+    """Every gradient under its name in the unsplit MoE, on every rank.
+
+    The router's is this rank's (sum it over the ranks first); each expert's comes from the
+    rank that owns the expert.
+    """
+    grads = {f"router.{n}": p.grad for n, p in layer.router.named_parameters()}
+    owned = {f"experts.{layer.first + i}.{n}": p.grad
+             for i, e in enumerate(layer.experts) for n, p in e.named_parameters()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, owned)
+    for part in everyone:
+        grads.update(part)
+    return grads
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = script_parser(__doc__)
     parser.add_argument("--experts", type=positive_int, default=4,
@@ -184,13 +200,7 @@ def main() -> None:
                 dist.all_reduce(p.grad)
         outs = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(outs, out.detach())
-        grads = {f"router.{n}": p.grad for n, p in layer.router.named_parameters()}
-        owned = {f"experts.{layer.first + i}.{n}": p.grad
-                 for i, e in enumerate(layer.experts) for n, p in e.named_parameters()}
-        everyone = [None] * world
-        dist.all_gather_object(everyone, owned)
-        for part in everyone:
-            grads.update(part)
+        grads = unsplit_gradients(layer)
         record = {"version": name,
                   "output_gap": ((torch.cat(outs) - ref_out).norm() / ref_out.norm()).item(),
                   "grad_gap": training_gap(grads, ref_grads),
