@@ -17,11 +17,11 @@ times ``params``, with (w, g, k) bytes per parameter from a ``Recipe``. Two reci
 the same mixed-precision model and both come to 16 bytes per parameter; they split them
 differently, which matters for every stage that shards some of the three and not others:
 
-    FP32_ADAMW         (4, 4, 8)   PyTorch's AMP, the book's recipe (section 3.7): autocast
+    FP32_ADAMW         (4, 4, 8)   PyTorch's AMP, the book's recipe (chapter 3): autocast
                                    keeps fp32 weights, DDP all-reduces fp32 gradients, FSDP2
                                    with reduce_dtype=fp32 keeps fp32 shards of both
-    BF16_MIXED_ADAMW   (2, 2, 12)  the ZeRO paper's and DeepSpeed's: bf16 weights and
-                                   gradients, an fp32 master copy in the optimizer state
+    FP16_MIXED_ADAMW   (2, 2, 12)  the ZeRO paper's: fp16 weights and gradients, an fp32
+                                   master copy in the optimizer state
 
 The gradients' bytes are also what data parallelism sends, so the recipe moves the
 communication-bound point too. (ZeRO-3 gathers ``w`` bytes per weight: FSDP2 with
@@ -29,7 +29,10 @@ param_dtype=bf16 gathers 2 even under the book's recipe, so its ZeRO-3 figure is
 
 Time of a data-parallel step: 6 FLOPs per weight per token (a multiply-add is 2 FLOPs, the
 backward pass costs twice the forward) plus 12 * layers * context * width per token for the
-attention scores, at ``mfu`` times the GPU's peak; and the gradients' ring all-reduce of
+attention scores, plus the blocks' forward once more under full activation checkpointing
+(``recompute_flops``), at ``hfu`` times the GPU's peak (the fraction of peak the FLOPs executed
+reach: the hardware FLOPs utilisation, equal to the model FLOPs utilisation when nothing is
+recomputed); and the gradients' ring all-reduce of
 dtbook.cost_model, 2 (N-1)/N * bytes / bus bandwidth, or for ZeRO-3 two all-gathers of the
 weights and one reduce-scatter of the gradients.
 
@@ -62,12 +65,12 @@ class Recipe:
 
 
 FP32_ADAMW = Recipe("PyTorch AMP (fp32 weights, grads)", 4, 4, 8)
-BF16_MIXED_ADAMW = Recipe("ZeRO paper (bf16 weights, grads)", 2, 2, 12)
-RECIPES = (FP32_ADAMW, BF16_MIXED_ADAMW)
+FP16_MIXED_ADAMW = Recipe("ZeRO paper (fp16 weights, grads)", 2, 2, 12)
+RECIPES = (FP32_ADAMW, FP16_MIXED_ADAMW)
 
 
 def state_bytes_per_rank(strategy: str, params: float, world_size: int,
-                         recipe: Recipe = BF16_MIXED_ADAMW) -> dict[str, float]:
+                         recipe: Recipe = FP16_MIXED_ADAMW) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state one rank keeps."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: "
@@ -105,16 +108,18 @@ class Transformer:
 
 
 def activation_bytes(model: Transformer, context: int, micro_batch: int,
-                     checkpointing: bool) -> float:
+                     checkpointing: bool, dropout: bool = True) -> float:
     """Activations kept for backward, 16-bit, after Korthikanti et al. 2022.
 
-    Their count for one block is s*b*h*(34 + 5*a*s/h) bytes. A fused attention
-    kernel (FlashAttention; scaled_dot_product_attention on a GPU) keeps no s x s
-    scores, which leaves 34*s*b*h. Full activation checkpointing keeps each block's
-    input (2*s*b*h) and recomputes one block at a time in backward, whose 34*s*b*h
-    come on top. The embedding and the logits are left out.
+    Their count for one block, with dropout, is s*b*h*(34 + 5*a*s/h) bytes. A fused
+    attention kernel (FlashAttention; scaled_dot_product_attention on a GPU) keeps no
+    s x s scores, which leaves 34*s*b*h; without dropout the two 1-byte masks after
+    the attention projection and the MLP go too, 32*s*b*h. Full activation
+    checkpointing keeps each block's input (2*s*b*h) and recomputes one block at a
+    time in backward, whose activations come on top. The embedding and the logits
+    are left out.
     """
-    per_block = 34 * context * micro_batch * model.width
+    per_block = (34 if dropout else 32) * context * micro_batch * model.width
     if checkpointing:
         return model.layers * 2 * context * micro_batch * model.width + per_block
     return model.layers * per_block
@@ -122,11 +127,13 @@ def activation_bytes(model: Transformer, context: int, micro_batch: int,
 
 def bytes_per_rank(strategy: str, model: Transformer, world_size: int, context: int,
                    micro_batch: int, checkpointing: bool = False,
-                   recipe: Recipe = BF16_MIXED_ADAMW) -> dict[str, float]:
+                   recipe: Recipe = FP16_MIXED_ADAMW,
+                   dropout: bool = True) -> dict[str, float]:
     """State and activations; for ZeRO-3 also the gathered weights of two blocks
     (the one computing and the one prefetched)."""
     row = state_bytes_per_rank(strategy, model.params, world_size, recipe)
-    row["activations"] = activation_bytes(model, context, micro_batch, checkpointing)
+    row["activations"] = activation_bytes(model, context, micro_batch, checkpointing,
+                                         dropout)
     sharded = strategy == "zero3" and world_size > 1
     row["gathered"] = 2 * model.layer_params * recipe.weights if sharded else 0
     return row
@@ -134,12 +141,13 @@ def bytes_per_rank(strategy: str, model: Transformer, world_size: int, context: 
 
 def largest_fitting(strategy: str, world_size: int, memory_bytes: float, context: int,
                     micro_batch: int, checkpointing: bool = False,
-                    recipe: Recipe = BF16_MIXED_ADAMW) -> Transformer | None:
+                    recipe: Recipe = FP16_MIXED_ADAMW,
+                    dropout: bool = True) -> Transformer | None:
     """The deepest GPT-3-shaped model (width 128 per layer) that fits; None if none does."""
     def fits(layers: int) -> bool:
         model = Transformer.with_aspect(layers)
         need = bytes_per_rank(strategy, model, world_size, context, micro_batch,
-                              checkpointing, recipe)
+                              checkpointing, recipe, dropout)
         return sum(need.values()) <= memory_bytes
 
     if not fits(1):
@@ -161,6 +169,29 @@ def training_flops(matmul_params: float, tokens: float, layers: int = 0,
     and the output head, not the embedding lookups. Without ``layers``, no attention.
     """
     return 6 * matmul_params * tokens + 12 * layers * context * width * tokens
+
+
+def recompute_flops(recomputed_matmul_params: float, tokens: float, layers: int = 0,
+                    context: int = 0, width: int = 0) -> float:
+    """What full activation checkpointing adds: the blocks' forward, run again in backward.
+
+    A forward pass is a third of ``training_flops``: 2 of the 6 per weight per token, 4 of
+    the 12*L*s*h of attention. ``recomputed_matmul_params`` counts the weights whose
+    matmuls run again: see ``recomputed_params``.
+    """
+    return 2 * recomputed_matmul_params * tokens + 4 * layers * context * width * tokens
+
+
+def recomputed_params(model: Transformer, dropout: bool = True) -> int:
+    """The block weights that full activation checkpointing multiplies again in backward.
+
+    torch's non-reentrant checkpoint stops recomputing as soon as every tensor backward
+    saved is back (its early stop, on by default). When a block ends in matmul + residual,
+    the last matmul's output is saved by nothing, so it is not rerun: 8 of the 12 h^2.
+    With dropout after it, the dropout saves its mask, computed from that output, so the
+    whole forward runs again: all 12 h^2.
+    """
+    return model.layers * (12 if dropout else 8) * model.width**2
 
 
 @dataclass(frozen=True)
@@ -196,17 +227,31 @@ LINKS = (
 
 
 def data_parallel_step(model: Transformer, tokens_per_gpu: float, world_size: int,
-                       link: Link, gpu: Gpu, mfu: float, context: int,
-                       strategy: str = "ddp", recipe: Recipe = BF16_MIXED_ADAMW,
-                       alpha_s: float = 0.0) -> dict[str, float]:
+                       link: Link, gpu: Gpu, hfu: float, context: int,
+                       strategy: str = "ddp", recipe: Recipe = FP16_MIXED_ADAMW,
+                       alpha_s: float = 0.0, checkpointing: bool = False,
+                       dropout: bool = True) -> dict[str, float]:
     """Seconds of compute and of gradient communication in one step, each alone.
 
     With perfect overlap a step lasts the longer of the two; with none, their sum.
+    Full activation checkpointing adds the blocks' second forward to the compute
+    (all of it with dropout, as ``activation_bytes`` assumes by default; see
+    ``recomputed_params``); the bytes sent do not change.
+
+    ``hfu`` is the fraction of peak at which the FLOPs *executed* run, recomputation
+    included: a hardware FLOPs utilisation (HFU). Without checkpointing it equals the
+    model FLOPs utilisation (MFU); with it, the returned ``mfu`` (model FLOPs over
+    step time and peak) is lower: a step that recomputes reaches a lower MFU at the
+    same HFU.
     """
     # Every weight multiplies every token: the blocks' and the tied head's.
-    flops = training_flops(model.params, tokens_per_gpu, model.layers, context,
-                           model.width)
-    compute = flops / (gpu.peak_flops * mfu)
+    model_flops = training_flops(model.params, tokens_per_gpu, model.layers, context,
+                                 model.width)
+    flops = model_flops
+    if checkpointing:
+        flops += recompute_flops(recomputed_params(model, dropout), tokens_per_gpu,
+                                 model.layers, context, model.width)
+    compute = flops / (gpu.peak_flops * hfu)
     ring = AlphaBeta(alpha_s, 1 / link.bus_bytes_per_s)
     grads = recipe.grads * model.params
     if strategy == "zero3":  # weights gathered for forward and backward
@@ -216,13 +261,14 @@ def data_parallel_step(model: Transformer, tokens_per_gpu: float, world_size: in
     else:
         comm = ring.predict(grads, world_size, "all_reduce")
     return {"compute_s": compute, "comm_s": comm,
-            "comm_over_compute": comm / compute}
+            "comm_over_compute": comm / compute,
+            "mfu": hfu * model_flops / flops}
 
 
 def communication_bound_world(model: Transformer, global_batch_tokens: float,
                               link: Link, gpu: Gpu, mfu: float, context: int,
                               strategy: str = "ddp",
-                              recipe: Recipe = BF16_MIXED_ADAMW) -> int:
+                              recipe: Recipe = FP16_MIXED_ADAMW) -> int:
     """The fewest GPUs at which, for a fixed global batch, communication takes as long
     as compute.
 

@@ -28,6 +28,16 @@ class MetricsWriter:
             self.file = None
 
 
+def run_each(demos: dict, names: list[str], metrics: MetricsWriter, event: str, rank: int) -> None:
+    """Run the demonstrations named (in the order of ``demos``), each a function returning
+    what it found; write each outcome as an ``event`` record and print it on rank 0."""
+    for name in [n for n in demos if n in names]:
+        outcome = demos[name]()
+        metrics.write(event=event, name=name, **outcome)
+        if rank == 0:
+            print(f"{name}: {outcome}", flush=True)
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """Every record of a metrics file, in order; an absent file has none."""
     path = Path(path)

@@ -1,13 +1,16 @@
 """Chapter 7's what-if formulas (dtbook.capacity): in-process, against published sizes, chapter 4's
 own formula, PyTorch's FLOP counter, and their own boundary conditions."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from dtbook.capacity import (
-    BF16_MIXED_ADAMW,
+    FP16_MIXED_ADAMW,
     FP32_ADAMW,
     H100_SXM,
     LINKS,
@@ -19,6 +22,8 @@ from dtbook.capacity import (
     communication_bound_world,
     data_parallel_step,
     largest_fitting,
+    recompute_flops,
+    recomputed_params,
     state_bytes_per_rank,
     training_flops,
 )
@@ -28,7 +33,7 @@ from support import load_script
 PSI = 7e9
 
 
-@pytest.mark.parametrize("recipe", [FP32_ADAMW, BF16_MIXED_ADAMW])
+@pytest.mark.parametrize("recipe", [FP32_ADAMW, FP16_MIXED_ADAMW])
 def test_state_is_sixteen_bytes_per_parameter_divided_stage_by_stage(recipe):
     assert recipe.total == 16
     totals = {s: sum(state_bytes_per_rank(s, PSI, 8, recipe).values()) for s in STRATEGIES}
@@ -48,7 +53,7 @@ ZERO_FIGURE_1 = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
 
 
 def test_the_zero_papers_recipe_reproduces_its_figure_1_and_the_books_does_not():
-    for recipe, agrees in ((BF16_MIXED_ADAMW, True), (FP32_ADAMW, False)):
+    for recipe, agrees in ((FP16_MIXED_ADAMW, True), (FP32_ADAMW, False)):
         ours = {s: sum(state_bytes_per_rank(s, 7.5e9, 64, recipe).values()) / 1e9
                 for s in STRATEGIES}
         # Half of the figure's last digit is what its rounding leaves open.
@@ -90,13 +95,77 @@ def test_training_flops_equal_what_pytorch_counts():
     assert training_flops(weights, tokens.numel()) < predicted, "the attention term counts"
 
 
+class Checkpointed(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def count_flops(cfg, tokens, checkpointed: bool) -> int:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if checkpointed:
+        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).backward()
+    return counter.get_total_flops()
+
+
+def test_recompute_flops_are_what_checkpointing_every_block_adds():
+    cfg = MODEL_SIZES["tiny"]
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.context))
+    extra = count_flops(cfg, tokens, True) - count_flops(cfg, tokens, False)
+    model = GPT(cfg)
+    block_weights = sum(m.weight.numel() for m in model.blocks.modules()
+                        if isinstance(m, torch.nn.Linear))
+    last_matmul = sum(b.mlp[2].weight.numel() for b in model.blocks)
+    args = (tokens.numel(), cfg.n_layer, cfg.context, cfg.n_embd)
+    assert extra == recompute_flops(block_weights - last_matmul, *args)  # integers: exact
+    # The control: without early stop the whole forward of every block runs again.
+    with set_checkpoint_early_stop(False):
+        full = count_flops(cfg, tokens, True) - count_flops(cfg, tokens, False)
+    assert full == recompute_flops(block_weights, *args) != extra
+    # The second control: with dropout after the last matmul its mask is saved, so early
+    # stop cannot skip that matmul and the whole forward runs again.
+    with_dropout = dataclasses.replace(cfg, dropout=0.1)
+    extra_dropout = (count_flops(with_dropout, tokens, True)
+                     - count_flops(with_dropout, tokens, False))
+    assert extra_dropout == recompute_flops(block_weights, *args) != extra
+    shape = Transformer(cfg.n_layer, cfg.n_embd)
+    assert recomputed_params(shape, dropout=False) == block_weights - last_matmul
+    assert recomputed_params(shape, dropout=True) == block_weights
+
+
+def test_checkpointing_adds_compute_not_communication():
+    model, link, n = Transformer(32, 4096), LINKS[3], 16
+    plain = data_parallel_step(model, 4096, n, link, H100_SXM, 0.5, 2048, strategy="zero3")
+    ac = data_parallel_step(model, 4096, n, link, H100_SXM, 0.5, 2048, strategy="zero3",
+                            checkpointing=True)
+    assert ac["comm_s"] == plain["comm_s"]
+    extra = recompute_flops(32 * 12 * 4096**2, 4096, 32, 2048, 4096)  # dropout: all of it
+    assert ac["compute_s"] - plain["compute_s"] == pytest.approx(
+        extra / (0.5 * H100_SXM.peak_flops), rel=1e-12)
+    assert 1.3 < ac["compute_s"] / plain["compute_s"] <= 4 / 3, "up to a third more"
+    no_dropout = data_parallel_step(model, 4096, n, link, H100_SXM, 0.5, 2048,
+                                    strategy="zero3", checkpointing=True, dropout=False)
+    assert plain["compute_s"] < no_dropout["compute_s"] < ac["compute_s"]
+    # 0.5 is a hardware utilisation: the model FLOPs utilisation falls by the recompute.
+    assert plain["mfu"] == 0.5
+    assert ac["mfu"] == pytest.approx(0.5 * plain["compute_s"] / ac["compute_s"], rel=1e-12)
+
+
 def test_activation_checkpointing_keeps_inputs_and_one_block():
     model = Transformer(32, 4096)
     s, b, h = 2048, 2, 4096
     assert activation_bytes(model, s, b, checkpointing=False) == 32 * 34 * s * b * h
     assert activation_bytes(model, s, b, checkpointing=True) == 32 * 2 * s * b * h + 34 * s * b * h
+    # Without dropout, no masks: 32 s b h per block (Korthikanti et al. count 1 byte each).
+    assert activation_bytes(model, s, b, False, dropout=False) == 32 * 32 * s * b * h
     row = bytes_per_rank("zero3", model, 8, s, b)
-    assert row["gathered"] == 2 * 12 * h**2 * BF16_MIXED_ADAMW.weights
+    assert row["gathered"] == 2 * 12 * h**2 * FP16_MIXED_ADAMW.weights
     assert bytes_per_rank("zero3", model, 1, s, b)["gathered"] == 0, "nothing to gather alone"
 
 

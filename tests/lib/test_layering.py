@@ -10,7 +10,8 @@ from support import SCRIPTS
 
 LIBRARY = SCRIPTS / "dtbook"
 NOTEBOOK_SIDE = {"launch", "output_filters", "paths", "ports", "metrics", "cli", "reproducibility", "plots",
-                 "cost_model", "cluster_lab", "slurm_lab", "intervals", "capacity", "gpu_report"}
+                 "cost_model", "cluster_lab", "slurm_lab", "intervals", "capacity", "gpu_report",
+                 "exposed"}
 WORKER_SIDE = {"distributed", "model", "data", "checkpoint", "ddp_inspect", "comm_timing", "measure",
                "timing", "progress", "collectives", "compare", "tensor_parallel", "pipeline"}
 SCRIPT_NAMES = {p.stem for p in SCRIPTS.glob("ch*.py")}
