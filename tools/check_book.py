@@ -60,11 +60,29 @@ def source_problems(notebook: Path) -> list[str]:
         problems.append(f"{notebook}: the parameter cell and the set-up cell after it need 'hide-input'")
     if any("QUICK" in "".join(c.get("source", "")) for c in nb.get("cells", [])):
         problems.append(f"{notebook}: mentions QUICK: the book has one configuration, the reader's")
+    if notebook.parent.name.startswith("ch"):
+        problems += [f"{notebook}: {p}" for p in _closing_section_problems(nb)]
     kernel = nb.get("metadata", {}).get("kernelspec", {}).get("name")
     if kernel != "python3":
         problems.append(f"{notebook}: kernelspec is {kernel!r}, expected 'python3'")
     problems += [f"{notebook}: {p}" for p in _lab_problems(["".join(c.get("source", "")) for c in code_cells])]
     return problems
+
+
+# Every chapter section ends as the template in CONTRIBUTING.md says: an edit that replaces a
+# page's last cell must not take these with it unnoticed.
+CLOSING_SECTIONS = ("## Pitfalls", "## Exercises", "## Summary")
+
+
+def _closing_section_problems(nb: dict) -> list[str]:
+    """The closing headings must each appear once, in the template's order."""
+    headings = [line.strip() for cell in nb.get("cells", []) if cell.get("cell_type") == "markdown"
+                for line in "".join(cell.get("source", "")).splitlines() if line.startswith("## ")]
+    found = [h for h in headings if h in CLOSING_SECTIONS]
+    if found != list(CLOSING_SECTIONS):
+        return [f"ends with {found or 'none'} of the headings {list(CLOSING_SECTIONS)}: "
+                "a chapter section needs all three, in that order (CONTRIBUTING.md)"]
+    return []
 
 
 def _lab_problems(sources: list[str]) -> list[str]:

@@ -31,8 +31,7 @@ import random
 import statistics
 from operator import itemgetter
 
-# The rules and their reasons (the width bound is back at 0.5, after a first version had
-# widened it to 1 to fit one run):
+# The rules and their reasons:
 # below MIN_SAMPLES paired steps a bootstrap resamples too few distinct values for its
 # percentiles to mean anything (with 8 steps the 2.5th percentile of 2000 resamples already
 # repeats the smallest values);

@@ -137,3 +137,27 @@ def test_sizes_in_bytes_are_parsed_or_refused(text, problem, monkeypatch, capsys
     with pytest.raises(SystemExit) as exit_info:
         load_script("ch2_bandwidth.py").parse_args()
     assert exit_info.value.code == 2 and problem in capsys.readouterr().err
+
+
+
+THP_DISABLED_FLAG = """
+import ctypes, sys
+from dtbook.measure import fault_in_base_pages
+if sys.argv[1] == "base":
+    fault_in_base_pages()
+print(ctypes.CDLL(None).prctl(42, 0, 0, 0, 0))  # PR_GET_THP_DISABLE
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="transparent huge pages are Linux's")
+def test_page_faults_are_counted_with_huge_pages_off_for_the_process():
+    """2.4's and 2.5's fresh-page asserts divide faults by 4 KiB pages, which a system whose
+    THP setting is "always" would break (one fault, 2 MiB). The kernel's own flag says the
+    process turned them off; the control, a process that did not, has it clear. (This VM
+    maps no anonymous huge pages at all, so the fault counts themselves cannot show it.)"""
+    import subprocess
+
+    flag = {how: subprocess.run([sys.executable, "-c", THP_DISABLED_FLAG, how], check=True,
+                                capture_output=True, text=True).stdout.strip()
+            for how in ("default", "base")}
+    assert flag == {"default": "0", "base": "1"}

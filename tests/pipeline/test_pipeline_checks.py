@@ -67,6 +67,18 @@ def test_source_check_wants_a_lab_section_to_say_first_when_the_lab_cannot_run(t
     assert len(slurm) == 1 and "require_slurm()" in slurm[0]
 
 
+def test_source_check_wants_a_chapter_section_to_end_with_pitfalls_exercises_and_summary(tmp_path):
+    """The control: 1.4 once lost all three when an edit replaced its last cell."""
+    closing = new_markdown_cell("## Pitfalls\n- one\n\n## Exercises\n1. one\n\n## Summary\nDone.")
+    assert source_problems(write_notebook(tmp_path / "ch9_x" / "ok.ipynb", "x = 1", closing)) == []
+    cut = new_markdown_cell("## Pitfalls\n- one\n\n## Summary\nDone.")
+    problems = source_problems(write_notebook(tmp_path / "ch9_x" / "cut.ipynb", "x = 1", cut))
+    assert len(problems) == 1 and "## Exercises" in problems[0]
+    swapped = new_markdown_cell("## Summary\nDone.\n\n## Pitfalls\n- one\n\n## Exercises\n1. one")
+    assert source_problems(write_notebook(tmp_path / "ch9_x" / "swapped.ipynb", "x = 1", swapped))
+    assert source_problems(write_notebook(tmp_path / "appendix" / "page.ipynb", "x = 1")) == []
+
+
 def test_source_check_rejects_a_second_configuration_and_shown_set_up(tmp_path):
     """One configuration (no QUICK); the parameter and set-up cells' code is hidden."""
     path = write_notebook(tmp_path / "quick.ipynb", "MODEL = 'tiny' if QUICK else 'small'")
