@@ -8,6 +8,7 @@ while the bytes of the tensors a step holds are exact and the same on every run 
 from __future__ import annotations
 
 import ctypes
+import os
 import resource
 import statistics
 import sys
@@ -266,7 +267,11 @@ def fault_in_base_pages() -> None:
     pages. The flag is the process's own (prctl, Linux 3.15+); elsewhere nothing changes.
     """
     if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4  # the kernel's signature
+        if prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_THP_DISABLE): {os.strerror(err)}")
 
 
 def page_faults_per_call(fn, calls: int = 3) -> float:

@@ -143,9 +143,11 @@ def test_sizes_in_bytes_are_parsed_or_refused(text, problem, monkeypatch, capsys
 THP_DISABLED_FLAG = """
 import ctypes, sys
 from dtbook.measure import fault_in_base_pages
+prctl = ctypes.CDLL(None).prctl
+prctl(41, 0, 0, 0, 0)  # PR_SET_THP_DISABLE off: the flag is inherited, the parent's may be set
 if sys.argv[1] == "base":
     fault_in_base_pages()
-print(ctypes.CDLL(None).prctl(42, 0, 0, 0, 0))  # PR_GET_THP_DISABLE
+print(prctl(42, 0, 0, 0, 0))  # PR_GET_THP_DISABLE
 """
 
 
@@ -153,7 +155,8 @@ print(ctypes.CDLL(None).prctl(42, 0, 0, 0, 0))  # PR_GET_THP_DISABLE
 def test_page_faults_are_counted_with_huge_pages_off_for_the_process():
     """2.4's and 2.5's fresh-page asserts divide faults by 4 KiB pages, which a system whose
     THP setting is "always" would break (one fault, 2 MiB). The kernel's own flag says the
-    process turned them off; the control, a process that did not, has it clear. (This VM
+    process turned them off; the control, a process that did not (its inherited flag cleared
+    first), has it clear. (This VM
     maps no anonymous huge pages at all, so the fault counts themselves cannot show it.)"""
     import subprocess
 
