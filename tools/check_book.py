@@ -60,7 +60,7 @@ def source_problems(notebook: Path) -> list[str]:
         problems.append(f"{notebook}: the parameter cell and the set-up cell after it need 'hide-input'")
     if any("QUICK" in "".join(c.get("source", "")) for c in nb.get("cells", [])):
         problems.append(f"{notebook}: mentions QUICK: the book has one configuration, the reader's")
-    if notebook.parent.name.startswith("ch"):
+    if re.fullmatch(r"ch\d+_.*", notebook.parent.name):  # a chapter's folder, not "checks"
         problems += [f"{notebook}: {p}" for p in _closing_section_problems(nb)]
     kernel = nb.get("metadata", {}).get("kernelspec", {}).get("name")
     if kernel != "python3":
@@ -75,13 +75,16 @@ CLOSING_SECTIONS = ("## Pitfalls", "## Exercises", "## Summary")
 
 
 def _closing_section_problems(nb: dict) -> list[str]:
-    """The closing headings must each appear once, in the template's order."""
+    """The closing headings must each appear once, in the template's order, Summary the last."""
     headings = [line.strip() for cell in nb.get("cells", []) if cell.get("cell_type") == "markdown"
                 for line in "".join(cell.get("source", "")).splitlines() if line.startswith("## ")]
     found = [h for h in headings if h in CLOSING_SECTIONS]
     if found != list(CLOSING_SECTIONS):
-        return [f"ends with {found or 'none'} of the headings {list(CLOSING_SECTIONS)}: "
-                "a chapter section needs all three, in that order (CONTRIBUTING.md)"]
+        return [f"has {found or 'none'} of the closing headings {list(CLOSING_SECTIONS)}: a "
+                "chapter section needs all three, once each, in that order (CONTRIBUTING.md)"]
+    if headings[-1] != CLOSING_SECTIONS[-1]:
+        return [f"its last '## ' heading is {headings[-1]!r}: a chapter section ends with "
+                f"{CLOSING_SECTIONS[-1]!r} (CONTRIBUTING.md)"]
     return []
 
 

@@ -76,7 +76,13 @@ def test_source_check_wants_a_chapter_section_to_end_with_pitfalls_exercises_and
     assert len(problems) == 1 and "## Exercises" in problems[0]
     swapped = new_markdown_cell("## Summary\nDone.\n\n## Pitfalls\n- one\n\n## Exercises\n1. one")
     assert source_problems(write_notebook(tmp_path / "ch9_x" / "swapped.ipynb", "x = 1", swapped))
+    after = new_markdown_cell("## Pitfalls\n- one\n\n## Exercises\n1. one\n\n## Summary\nDone."
+                              "\n\n## Further reading\n- one")
+    problems = source_problems(write_notebook(tmp_path / "ch9_x" / "after.ipynb", "x = 1", after))
+    assert len(problems) == 1 and "'## Further reading'" in problems[0]
     assert source_problems(write_notebook(tmp_path / "appendix" / "page.ipynb", "x = 1")) == []
+    # A folder whose name merely starts with "ch" is not a chapter's.
+    assert source_problems(write_notebook(tmp_path / "checks" / "page.ipynb", "x = 1")) == []
 
 
 def test_source_check_rejects_a_second_configuration_and_shown_set_up(tmp_path):
