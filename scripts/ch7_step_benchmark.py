@@ -193,7 +193,7 @@ def measure(args, cap: float, batches, device) -> dict:
     # messages are per tensor, so its own communication takes at least T_comm and this
     # ratio is about 1 or more by construction; DDP's should lie below it.
     row["naive_over_comm"] = reference_ratio(row["waited_naive_samples_ms"],
-                                             samples["comm"])
+                                             samples["comm"], host_timed=host_timed)
     return row
 
 

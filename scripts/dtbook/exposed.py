@@ -36,6 +36,9 @@ from operator import itemgetter
 # percentiles to mean anything (with 8 steps the 2.5th percentile of 2000 resamples already
 # repeats the smallest values);
 MIN_SAMPLES = 8
+# the host clock does not see the wait on CUDA (the module's docstring);
+NOT_HOST_TIMED = ("on CUDA backward() returns before NCCL's all-reduces finish: the host "
+                  "clock does not time the wait")
 # the interval is the 95% percentile bootstrap of the ratio of medians, over step indices
 # (waited and T_comm of one step were timed in the same turn, under the same load);
 RESAMPLES, LEVEL, SEED = 2000, 0.95, 0
@@ -119,8 +122,7 @@ def exposed_fraction(waited_ms: list[float], comm_ms: list[float], world_size: i
         result["reason"] = "one process: nothing is communicated"
         return result
     if not host_timed:
-        result["reason"] = ("on CUDA backward() returns before NCCL's all-reduces "
-                            "finish: the host clock does not time the wait")
+        result["reason"] = NOT_HOST_TIMED
         return result
     if len(comm_ms) < MIN_SAMPLES:
         result["reason"] = (f"{len(comm_ms)} steps, fewer than {MIN_SAMPLES} "
@@ -143,17 +145,21 @@ def exposed_fraction(waited_ms: list[float], comm_ms: list[float], world_size: i
     return result
 
 
-def reference_ratio(waited_ms: list[float], comm_ms: list[float]) -> dict:
+def reference_ratio(waited_ms: list[float], comm_ms: list[float],
+                    host_timed: bool = True) -> dict:
     """median(waited) / median(T_comm) with its 95% bootstrap interval, for a loop whose
     communication is not the T_comm it is divided by (chapter 7's naive loop, one message per
     tensor): a reference without overlap, not an exposed fraction. No width refusal: the
     ratio is not a share of its own communication and lies on no 0-to-1 scale. Fewer than
-    ``MIN_SAMPLES`` steps still give no interval (``low`` and ``high`` None)."""
+    ``MIN_SAMPLES`` steps still give no interval (``low`` and ``high`` None); where the host
+    clock does not see the wait (CUDA), no ratio either, and ``reason`` says why."""
+    if not host_timed:
+        return {"ratio": None, "low": None, "high": None, "reason": NOT_HOST_TIMED}
     ratio = statistics.median(waited_ms) / statistics.median(comm_ms)
     if len(comm_ms) < MIN_SAMPLES:
-        return {"ratio": ratio, "low": None, "high": None}
+        return {"ratio": ratio, "low": None, "high": None, "reason": None}
     low, high = bootstrap(waited_ms, comm_ms)["ratio"]
-    return {"ratio": ratio, "low": low, "high": high}
+    return {"ratio": ratio, "low": low, "high": high, "reason": None}
 
 
 def first_look(ddp: dict, local: dict, comm: dict) -> dict:

@@ -135,6 +135,16 @@ def test_the_no_overlap_reference_keeps_a_wide_interval_above_one():
     assert reference_ratio(waited[:MIN_SAMPLES - 1], comm[:MIN_SAMPLES - 1])["low"] is None
 
 
+def test_the_no_overlap_reference_is_refused_where_the_host_clock_misses_the_wait():
+    """On CUDA the naive loop's wait is as invisible to the host as DDP's: no ratio, and the
+    same reason exposed_fraction gives; the control, the same samples timed on the host."""
+    waited, comm = steps(30, 4.0, noise=0.3)
+    refused = reference_ratio(waited, comm, host_timed=False)
+    assert refused["ratio"] is None and refused["low"] is None
+    assert refused["reason"] == exposed_fraction(waited, comm, 2, host_timed=False)["reason"]
+    assert reference_ratio(waited, comm)["ratio"] > 1
+
+
 def test_the_first_look_brackets_its_value_when_the_difference_is_negative():
     # T_ddp below T_local, as noise makes it on shared cores: the worst cases are then over the
     # smaller T_comm for the low end; pairing p25/p75 with p75 alone put "low" above the value.
